@@ -1,0 +1,71 @@
+"""The differentiable core: custom_vjp over the (sharded, vmappable) forward and backward ops.
+
+Inputs are canonical here: q [B, T, H, Dqk], kv [B, S, Dqk], idx [B, T, K] int32,
+topk_length [B, T] int32, sink [H] float32 (-inf for "no sink"). `impl` is already resolved:
+"xla" (reference), "cute" (kernel, forced) or "auto" (kernel when lowered for CUDA, reference on
+any other platform).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_dsa import reference, sharding
+
+
+def _local_forward(q, kv, idx, topk_length, sink, *, scale, d_v, impl):
+  def ref(*args):
+    return reference.forward(*args, scale=scale, d_v=d_v)
+
+  def kernel(*args):
+    from jax_dsa import _native  # the built library's loader; only reached when it exists
+    return _native.sparse_mla_fwd(*args, scale=scale)
+
+  args = (q, kv, idx, topk_length, sink)
+  if impl == "xla":
+    return ref(*args)
+  if impl == "cute":
+    return kernel(*args)
+  return lax.platform_dependent(*args, cuda=kernel, default=ref)
+
+
+def _local_backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale, d_v, impl):
+  # The Hopper backward kernels are a later issue: every implementation differentiates with the
+  # reference formulas (they only need the forward's o and lse).
+  del impl
+  return reference.backward(q, kv, idx, topk_length, sink, o, lse, do, dlse,
+                            scale=scale, d_v=d_v)
+
+
+@functools.lru_cache(maxsize=None)
+def _ops(scale: float, d_v: int, impl: str):
+  return (sharding.make_forward(_local_forward, scale, d_v, impl),
+          sharding.make_backward(_local_backward, scale, d_v, impl))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def attention(q, kv, idx, topk_length, sink, scale, d_v, impl):
+  """(o [B, T, H, d_v], lse [B, T, H] float32); differentiable in q, kv and sink."""
+  fwd, _ = _ops(scale, d_v, impl)
+  return fwd(q, kv, idx, topk_length, sink)
+
+
+def _attention_fwd(q, kv, idx, topk_length, sink, scale, d_v, impl):
+  fwd, _ = _ops(scale, d_v, impl)
+  o, lse = fwd(q, kv, idx, topk_length, sink)
+  return (o, lse), (q, kv, idx, topk_length, sink, o, lse)
+
+
+def _attention_bwd(scale, d_v, impl, residuals, cotangents):
+  q, kv, idx, topk_length, sink, o, lse = residuals
+  do, dlse = cotangents
+  _, bwd = _ops(scale, d_v, impl)
+  dq, dkv, dsink = bwd(q, kv, idx, topk_length, sink, o, lse, do.astype(o.dtype),
+                       dlse.astype(jnp.float32))
+  return dq, dkv.astype(kv.dtype), None, None, jnp.sum(dsink, axis=0)
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)

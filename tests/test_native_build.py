@@ -1,0 +1,42 @@
+"""CPU checks of the ahead-of-time built kernel library (skipped when it was not built)."""
+import ctypes
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from jax_dsa import _native
+
+needs_lib = pytest.mark.skipif(
+    not os.path.isfile(_native.LIB_PATH), reason="kernel library not built (tools/build_kernels.py)"
+)
+
+
+def test_import_and_is_available_never_raise():
+  assert isinstance(_native.is_available(), bool)
+
+
+@needs_lib
+def test_library_loads_and_exports_handlers():
+  assert _native.is_available()
+  lib = ctypes.CDLL(_native.LIB_PATH)
+  for sym in ("JaxDsaSparseMlaFwdSm90", "JaxDsaInit"):
+    assert getattr(lib, sym) is not None
+
+
+@needs_lib
+@pytest.mark.skipif(shutil.which("readelf") is None, reason="readelf not installed")
+def test_library_is_self_contained():
+  out = subprocess.run(["readelf", "-d", _native.LIB_PATH], capture_output=True, text=True,
+                       check=True).stdout
+  needed = [l.split("[")[1].rstrip("]") for l in out.splitlines() if "(NEEDED)" in l]
+  allowed = ("libc.so", "libstdc++.so", "libm.so", "libdl.so", "librt.so", "libpthread.so",
+             "ld-linux", "libcuda.so")
+  assert needed and all(n.startswith(allowed) for n in needed), needed
+
+
+@needs_lib
+def test_ffi_target_registers():
+  _native.load()
+  _native.load()  # idempotent
