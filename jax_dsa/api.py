@@ -54,6 +54,7 @@ def sparse_mla(q, kv, idx, *, scale=None, sink=None, topk_length=None, d_v=512,
   sink = _check_sink(sink, h)
   impl = _resolve_implementation(implementation, q, kv, d_v)
 
+  q, kv, idx, topk_length, sink = _same_variance(q, kv, idx, topk_length, sink)
   o, lse = _core.attention(q, kv, idx, topk_length, sink, scale, d_v, impl)
   if unbatched:
     o, lse = o[0], lse[0]
@@ -142,6 +143,28 @@ def _check_sink(sink, h):
   if sink.shape != (h,):
     raise ValueError(f"sink must be [H]=({h},); got shape {sink.shape}")
   return sink.astype(jnp.float32)
+
+
+def _variance(x) -> frozenset:
+  """The manual mesh axes x varies over inside shard_map (empty outside)."""
+  aval = jax.typeof(x)
+  vma = getattr(aval, "vma", None)
+  if vma is None:  # jax 0.10 keeps it on the manual-axis type
+    vma = getattr(getattr(aval, "mat", None), "varying", None)
+  return frozenset(vma or ())
+
+
+def _same_variance(*arrays):
+  """Inside shard_map, mark replicated operands as varying over the axes q and the others vary
+  over (pcast, free). Its transpose is a psum: that is how dkv and dsink get summed over head or
+  token shards without the user writing one."""
+  union = frozenset().union(*(_variance(x) for x in arrays))
+  if not union:
+    return arrays
+  cast = (lambda x, ax: jax.lax.pcast(x, ax, to="varying")) if hasattr(jax.lax, "pcast") else (
+      jax.lax.pvary)
+  return tuple(x if _variance(x) == union else cast(x, tuple(sorted(union - _variance(x))))
+               for x in arrays)
 
 
 def kernel_shape_problem(q, kv, d_v) -> str | None:

@@ -74,6 +74,16 @@ def _scatter_add_rows(acc, rows, updates):
                          mode=lax.GatherScatterMode.FILL_OR_DROP)
 
 
+def _varying_like(x, *refs):
+  """x with the shard_map variance (vma) of refs, so that a scan carry keeps its type.
+
+  Adds an exact 0.0 computed from each ref (a sum over an empty slice): version-independent,
+  and a no-op outside shard_map.
+  """
+  zero = sum(jnp.sum(r[..., :0].astype(x.dtype)) for r in refs)
+  return x + zero
+
+
 def forward(q, kv, idx, topk_length, sink, *, scale: float, d_v: int, chunk: int | None = None):
   """Returns (o [B, T, H, d_v] in q.dtype, lse [B, T, H] float32)."""
   b, t, h, d = q.shape
@@ -157,7 +167,7 @@ def backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale: float, d
     dsink = -jnp.sum(sink_share * delta, axis=1)  # [B, H]
     return dkv_acc, (dq.astype(q.dtype), dsink)
 
-  dkv0 = jnp.zeros((b, s_rows, d), jnp.float32)
+  dkv0 = _varying_like(jnp.zeros((b, s_rows, d), jnp.float32), q, idx, do, dlse)
   dkv, (dq, dsink) = lax.scan(one_chunk, dkv0, (qc, ic, lc, oc, lsec, doc, dlsec))
   dsink = jnp.where(jnp.isneginf(sink)[None, :], 0.0, jnp.sum(dsink, axis=0))
   return _merge(dq, pad), dkv, dsink
