@@ -22,9 +22,13 @@ class BuildPyWithKernels(build_py):
                        "jax_dsa")
     env = dict(os.environ)
     env.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU present
-    subprocess.check_call([sys.executable, os.path.join(ROOT, "tools", "build_kernels.py"),
-                           "--out", os.path.join(pkg, "_lib"),
-                           "--build-dir", os.path.join(ROOT, "build", "kernels")], env=env)
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "build_kernels.py"),
+           "--out", os.path.join(pkg, "_lib"), "--build-dir", os.path.join(ROOT, "build", "kernels")]
+    if subprocess.call(cmd, env=env) != 0:
+      # SystemExit, not an Exception: setuptools would swallow an Exception in editable mode
+      # and install a package without its kernels.
+      raise SystemExit("jax_dsa: building the CuTe DSL kernels failed (see the log above); "
+                       "set JAX_DSA_SKIP_KERNELS=1 for a reference-only install")
 
 
 setup(cmdclass={"build_py": BuildPyWithKernels})

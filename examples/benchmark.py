@@ -1,0 +1,176 @@
+"""Benchmark sparse MLA: the Hopper kernel against the pure-JAX reference, in one run.
+
+    python examples/benchmark.py [--quick] [--out DIR] [--impls cute,xla] [--passes fwd,fwdbwd]
+
+For each shape (DESIGN.md section 4: D = 512, window 128 + top-k, T = S = 4096 and the head
+counts of tensor-parallel shards) it prints the median time per call, TFLOP/s, TB/s, the
+compiled program's device memory (arguments + outputs + XLA temporaries) and the reference's
+time from the same run as a ratio; writes DIR/benchmark.md and DIR/benchmark.png.
+
+Timing: a jitted call is dispatched `--calls` times back to back and the device is synchronised
+once; the time per call of such a batch is recorded, and the median over `--batches` batches is
+reported, after warm-up. Inputs are random normal (never zeros); each token's list is its 128
+most recent rows (-1 before the start) followed by top-k distinct random rows of [0, S).
+FLOPs: fwd = 2*B*T*H*K*(Dqk + d_v), K = valid entries; fwd+bwd = 3.5 x fwd (bwd = 2.5 x fwd).
+Bytes: gathered KV rows (K*Dqk per token) + q read + o written.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import jax_dsa  # noqa: E402
+from jax_dsa import api  # noqa: E402
+
+D, D_V, WINDOW = 512, 512, 128
+# (label, H, top-k); T = S = 4096 unless --tokens says otherwise.
+SHAPES = [("V4-Flash H=64", 64, 512), ("V4-Pro H=128 k512", 128, 512),
+          ("V4-Pro H=128", 128, 1024), ("TP shard H=16", 16, 512), ("TP shard H=8", 8, 512),
+          ("H=1", 1, 512), ("H=24", 24, 512), ("H=32", 32, 512), ("H=48", 48, 512),
+          ("H=96", 96, 512), ("H=100", 100, 512)]
+QUICK = ["V4-Flash H=64", "V4-Pro H=128 k512", "V4-Pro H=128", "TP shard H=16"]
+
+
+def make_inputs(h, topk, tokens, seed=0):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((1, tokens, h, D), np.float32), jnp.bfloat16)
+  kv = jnp.asarray(rng.standard_normal((1, tokens, D), np.float32), jnp.bfloat16)
+  t = np.arange(tokens)[:, None]
+  window = t - (WINDOW - 1) + np.arange(WINDOW)[None, :]
+  window = np.where(window >= 0, window, -1)
+  picks = np.argsort(rng.random((tokens, tokens)), axis=1)[:, :topk] if tokens <= 8192 else (
+      rng.integers(0, tokens, (tokens, topk)))
+  idx = np.concatenate([window, picks], axis=1).astype(np.int32)[None]
+  sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
+  valid = int((idx >= 0).sum())
+  return q, kv, jnp.asarray(idx), sink, valid
+
+
+def time_call(fn, args, calls, batches):
+  jax.block_until_ready(fn(*args))  # compile + warm-up
+  jax.block_until_ready(fn(*args))
+  per_call = []
+  for _ in range(batches):
+    start = time.perf_counter()
+    out = None
+    for _ in range(calls):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    per_call.append((time.perf_counter() - start) / calls)
+  return statistics.median(per_call)
+
+
+def device_bytes(fn, args):
+  try:
+    m = fn.lower(*args).compile().memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+  except Exception:  # memory_analysis is optional in some backends
+    return float("nan")
+
+
+def make_fn(impl, passes):
+  def fwd(q, kv, idx, sink):
+    return jax_dsa.sparse_mla(q, kv, idx, sink=sink, return_lse=True, implementation=impl)
+
+  if passes == "fwd":
+    return jax.jit(fwd)
+
+  def loss(q, kv, sink, idx):
+    o, _ = fwd(q, kv, idx, sink)
+    return jnp.sum(o.astype(jnp.float32) ** 2)
+
+  grad = jax.value_and_grad(loss, argnums=(0, 1, 2))
+  return jax.jit(lambda q, kv, idx, sink: grad(q, kv, sink, idx))
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--quick", action="store_true", help="only the issue's four shapes")
+  parser.add_argument("--tokens", type=int, default=4096)
+  parser.add_argument("--impls", default="cute,xla")
+  parser.add_argument("--passes", default="fwd,fwdbwd")
+  parser.add_argument("--calls", type=int, default=10)
+  parser.add_argument("--batches", type=int, default=7)
+  parser.add_argument("--out", default="bench_out")
+  args = parser.parse_args(argv)
+
+  impls = args.impls.split(",")
+  if "cute" in impls and api.kernel_runtime_problem():
+    print(f"kernel unavailable: {api.kernel_runtime_problem()}; timing the reference only")
+    impls = [i for i in impls if i != "cute"]
+  shapes = [s for s in SHAPES if not args.quick or s[0] in QUICK]
+  rows = []
+  for label, h, topk in shapes:
+    q, kv, idx, sink, valid = make_inputs(h, topk, args.tokens)
+    flops_fwd = 2.0 * h * valid * (D + D_V)
+    bytes_fwd = 2.0 * (valid * D + q.size + q.size // D * D_V)
+    for passes in args.passes.split(","):
+      flops = flops_fwd * (1.0 if passes == "fwd" else 3.5)
+      times = {}
+      for impl in impls:
+        fn = make_fn(impl, passes)
+        t = time_call(fn, (q, kv, idx, sink), args.calls, args.batches)
+        times[impl] = t
+        rows.append(dict(shape=label, h=h, k=WINDOW + topk, t=args.tokens, passes=passes,
+                         impl=impl, us=t * 1e6, tflops=flops / t / 1e12,
+                         tbs=bytes_fwd / t / 1e12 if passes == "fwd" else float("nan"),
+                         mem_mb=device_bytes(fn, (q, kv, idx, sink)) / 2**20))
+        print(f"{label:20s} {passes:6s} {impl:5s} {t * 1e6:10.1f} us {rows[-1]['tflops']:7.1f} "
+              f"TFLOP/s {rows[-1]['tbs']:6.2f} TB/s {rows[-1]['mem_mb']:9.1f} MB", flush=True)
+      if "xla" in times:
+        for r in rows[-len(impls):]:
+          r["vs_ref"] = times["xla"] / times[r["impl"]]
+  write_report(rows, args)
+  return rows
+
+
+def write_report(rows, args):
+  os.makedirs(args.out, exist_ok=True)
+  dev = jax.devices()[0]
+  head = (f"GPU/device: {dev.device_kind}; jax {jax.__version__}; "
+          f"{datetime.date.today().isoformat()}; T = S = {args.tokens}, B = 1, D = {D}, bf16, "
+          f"window {WINDOW} + top-k; median of {args.batches} batches of {args.calls} calls")
+  lines = [head, "", "| shape | H | K | pass | impl | µs | TFLOP/s | TB/s | device MB | "
+           "speed-up vs reference |", "|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(f"| {r['shape']} | {r['h']} | {r['k']} | {r['passes']} | {r['impl']} | "
+                 f"{r['us']:.0f} | {r['tflops']:.1f} | {r['tbs']:.2f} | {r['mem_mb']:.0f} | "
+                 f"{r.get('vs_ref', float('nan')):.2f} |")
+  with open(os.path.join(args.out, "benchmark.md"), "w") as f:
+    f.write("\n".join(lines) + "\n")
+  print("\n".join(lines))
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return
+  fig, ax = plt.subplots(figsize=(10, 5))
+  keys = sorted({(r["passes"], r["impl"]) for r in rows})
+  labels = list(dict.fromkeys(r["shape"] for r in rows))
+  width = 0.8 / max(1, len(keys))
+  for i, key in enumerate(keys):
+    vals = [next((r["us"] for r in rows if r["shape"] == s and (r["passes"], r["impl"]) == key),
+                 0) for s in labels]
+    ax.bar(np.arange(len(labels)) + i * width, vals, width, label=f"{key[1]} {key[0]}")
+  ax.set_xticks(np.arange(len(labels)) + width * (len(keys) - 1) / 2, labels, rotation=30,
+                ha="right")
+  ax.set_ylabel("µs per call (lower is better)")
+  ax.set_yscale("log")
+  ax.set_title(head, fontsize=7)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(args.out, "benchmark.png"), dpi=120)
+
+
+if __name__ == "__main__":
+  main()

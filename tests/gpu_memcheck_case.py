@@ -1,0 +1,34 @@
+"""A small forward with invalid indices and an odd head count, to run under memcheck (GPU):
+
+    compute-sanitizer --tool memcheck --leak-check no python tests/gpu_memcheck_case.py
+
+XLA's own allocator is disabled (preallocation off, platform allocator) so that every buffer is
+a separate cudaMalloc and out-of-bounds accesses past an output are caught.
+"""
+import os
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jax_dsa  # noqa: E402
+
+rng = np.random.default_rng(0)
+for h, d in ((3, 576), (17, 512), (100, 576)):
+  b, t, s, k = 2, 5, 37, 70
+  q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16)
+  kv = jnp.asarray(rng.standard_normal((b, s, d)), jnp.bfloat16)
+  idx = rng.integers(-40, 80, (b, t, k)).astype(np.int32)  # many < 0 and >= S
+  idx[0, 0] = -1
+  tl = rng.integers(0, k + 1, (b, t)).astype(np.int32)
+  o, lse = jax_dsa.sparse_mla(q, kv, jnp.asarray(idx), topk_length=jnp.asarray(tl),
+                              sink=jnp.zeros(h), return_lse=True, implementation="cute")
+  jax.block_until_ready((o, lse))
+  assert not np.isnan(np.asarray(o, np.float32)).any()
+  print(f"H={h} Dqk={d}: ok")
+print("memcheck case done")

@@ -1,0 +1,137 @@
+"""The Hopper forward kernel against the float64 oracle and the reference (GPU only).
+
+Outputs are poisoned: before each kernel call, NaN-filled buffers of the outputs' sizes are
+allocated and freed, and the test checks the kernel's outputs landed at those addresses, so
+an element the kernel failed to write reads NaN.
+"""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import jax_dsa
+from jax_dsa import api
+from cases import make_problem, rel_err
+import oracle
+
+pytestmark = pytest.mark.gpu
+
+# (B, T, H, Dqk, S, K, sink, topk_length). Covers H in {1, 8, 16, 24, 48, 64, 72, 96, 100, 120,
+# 128}, Dqk 512/576, K in {1, 63, 640, 1152, 2048}, B in {1, 3}.
+CASES = [
+    (1, 16, 1, 512, 300, 1, False, "none"),
+    (3, 8, 8, 576, 2000, 63, True, "partial"),
+    (1, 32, 16, 512, 4096, 640, True, "partial"),
+    (2, 16, 24, 576, 1000, 640, False, "full"),
+    (1, 16, 48, 512, 3000, 1152, True, "none"),
+    (1, 16, 64, 576, 4096, 640, True, "partial"),
+    (3, 4, 72, 512, 500, 63, False, "partial"),
+    (1, 8, 96, 576, 5000, 2048, True, "partial"),
+    (1, 8, 100, 512, 2000, 640, True, "none"),
+    (2, 4, 120, 576, 700, 1152, False, "partial"),
+    (1, 8, 128, 512, 4096, 640, True, "partial"),
+    (1, 8, 128, 576, 3000, 2048, True, "full"),
+    (2, 4, 128, 576, 64, 1, True, "none"),
+    (1, 8, 3, 512, 100, 63, True, "partial"),
+]
+
+
+def _kernel_or_skip():
+  problem = api.kernel_runtime_problem()
+  if problem:
+    pytest.skip(problem)
+
+
+def _poisoned_call(fn, out_shapes):
+  """Run fn after freeing NaN buffers of out_shapes; True if its outputs reused them all."""
+  poison = [jnp.full(s, jnp.nan, d) for s, d in out_shapes]
+  jax.block_until_ready(poison)
+  ptrs = {p.unsafe_buffer_pointer() for p in poison}
+  del poison
+  outs = jax.block_until_ready(fn())
+  return outs, {o.unsafe_buffer_pointer() for o in outs} <= ptrs
+
+
+def _run_kernel(p, dtype):
+  q, kv = jnp.asarray(p.q, dtype), jnp.asarray(p.kv, dtype)
+  idx = jnp.asarray(p.idx)
+  tl = None if p.topk_length is None else jnp.asarray(p.topk_length)
+  sink = None if p.sink is None else jnp.asarray(p.sink)
+  b, t, h, _ = p.q.shape
+  call = lambda: jax_dsa.sparse_mla(q, kv, idx, sink=sink, topk_length=tl, return_lse=True,
+                                    implementation="cute")
+  (o, lse), poisoned = _poisoned_call(call, [((b, t, h, 512), dtype), ((b, t, h), jnp.float32)])
+  return q, kv, o, lse, poisoned
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}H{}D{}S{}K{}{}-{}".format(
+    *c[:6], "-sink" if c[6] else "", c[7]))
+def test_forward_kernel_matches_oracle(case):
+  _kernel_or_skip()
+  b, t, h, d, s, k, sink, topk = case
+  p = make_problem(np.random.default_rng(abs(hash(case)) % 2**32), b, t, h, d, s, k,
+                   sink=sink, topk=topk)
+  q, kv, o, lse, poisoned = _run_kernel(p, jnp.bfloat16)
+  assert poisoned, "the outputs did not reuse the poisoned buffers; the check is void"
+  o_ref, lse_ref = oracle.numpy_forward(np.asarray(q, np.float32), np.asarray(kv, np.float32),
+                                        p.idx, p.lengths, p.sink, p.scale, 512)
+  o, lse = np.asarray(o, np.float32), np.asarray(lse)
+  assert not np.isnan(o).any() and not np.isnan(lse).any(), "unwritten or NaN outputs"
+  dead = np.isneginf(lse_ref)
+  np.testing.assert_array_equal(np.isneginf(lse), dead)
+  assert np.all(o[dead] == 0.0)
+  assert rel_err(o, o_ref) < 1e-2, rel_err(o, o_ref)
+  assert np.max(np.abs(lse[~dead] - lse_ref[~dead]), initial=0.0) < 2e-3 * max(
+      1.0, np.max(np.abs(lse_ref[~dead]), initial=0.0))
+
+
+def test_float16_and_default_dispatch_use_the_kernel():
+  _kernel_or_skip()
+  p = make_problem(np.random.default_rng(1), 2, 8, 16, 576, 800, 640, sink=True, topk="partial")
+  q, kv, o, lse, _ = _run_kernel(p, jnp.float16)
+  o_ref, _ = oracle.numpy_forward(np.asarray(q, np.float32), np.asarray(kv, np.float32),
+                                  p.idx, p.lengths, p.sink, p.scale, 512)
+  assert o.dtype == jnp.float16 and rel_err(o, o_ref) < 1e-2
+  text = jax.jit(lambda q, kv: jax_dsa.sparse_mla(q, kv, jnp.asarray(p.idx))).lower(
+      q, kv).as_text()
+  assert "jax_dsa_sparse_mla_fwd_sm90" in text, "implementation=None did not pick the kernel"
+
+
+def test_repeated_runs_are_bitwise_identical():
+  _kernel_or_skip()
+  p = make_problem(np.random.default_rng(2), 1, 64, 64, 512, 4096, 640, sink=True,
+                   topk="partial")
+  outs = [_run_kernel(p, jnp.bfloat16)[2:4] for _ in range(3)]
+  for o, lse in outs[1:]:
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(outs[0][0]))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(outs[0][1]))
+
+
+def test_million_tokens_and_64bit_row_addressing():
+  """T = 2^20 + 3 (grid limits) and kv with more than 2^31 elements (64-bit offsets).
+
+  With one valid entry and no sink, o is that row's first 512 values exactly and lse = s.
+  """
+  _kernel_or_skip()
+  rng = np.random.default_rng(3)
+  t = (1 << 20) + 3
+  q = jnp.asarray(rng.standard_normal((1, t, 2, 512), np.float32), jnp.bfloat16)
+  kv = jnp.asarray(rng.standard_normal((1, 4096, 512), np.float32), jnp.bfloat16)
+  idx = jnp.asarray(rng.integers(0, 4096, (1, t, 1)), jnp.int32)
+  o = jax_dsa.sparse_mla(q, kv, idx, implementation="cute")
+  np.testing.assert_array_equal(np.asarray(o[0, :, 0]), np.asarray(kv[0, idx[0, :, 0], :512]))
+  np.testing.assert_array_equal(np.asarray(o[0, :, 1]), np.asarray(kv[0, idx[0, :, 0], :512]))
+  del q, kv, o
+
+  s = (1 << 22) + 7  # 2^22 rows * 576 > 2^31 elements
+  kv = jnp.asarray(rng.standard_normal((1, 1024, 576), np.float32), jnp.bfloat16)
+  kv = jnp.tile(kv, (1, s // 1024 + 1, 1))[:, :s]
+  rows = jnp.asarray([[[s - 1], [s - 2], [5], [s - 1025]]], jnp.int32)
+  q = jnp.asarray(rng.standard_normal((1, 4, 3, 576), np.float32), jnp.bfloat16)
+  o, lse = jax_dsa.sparse_mla(q, kv, rows, return_lse=True, implementation="cute")
+  want = np.asarray(kv[0, rows[0, :, 0], :512])
+  np.testing.assert_array_equal(np.asarray(o[0, :, 1]), want)
+  s_exp = np.einsum("thd,td->th", np.asarray(q[0], np.float32),
+                    np.asarray(kv[0, rows[0, :, 0]], np.float32)) * 576 ** -0.5
+  np.testing.assert_allclose(np.asarray(lse[0]), s_exp, rtol=1e-3, atol=1e-3)
