@@ -32,12 +32,42 @@ def _local_forward(q, kv, idx, topk_length, sink, *, scale, d_v, impl):
   return lax.platform_dependent(*args, cuda=kernel, default=ref)
 
 
+def _kernel_backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale):
+  """Per-row terms in plain JAX (XLA fuses them), dq and dkv on the Hopper kernel."""
+  from jax_dsa import _native
+  c, sink_share = reference.sink_split(sink[None, None, :], lse)
+  delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
+  # dS_j = p~_j * (c * dP_j - (c * Delta - dlse)): the kernel needs c and that shift per row.
+  coef = jnp.stack([c, c * delta - dlse], axis=-1)
+  dq, dkv = _native.sparse_mla_bwd(q, kv, idx, topk_length, lse, do, coef, scale=scale)
+  dsink = jnp.where(jnp.isneginf(sink)[None, :], 0.0, -jnp.sum(sink_share * delta, axis=1))
+  return dq, dkv, dsink
+
+
 def _local_backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale, d_v, impl):
-  # The Hopper backward kernels are a later issue: every implementation differentiates with the
-  # reference formulas (they only need the forward's o and lse).
-  del impl
-  return reference.backward(q, kv, idx, topk_length, sink, o, lse, do, dlse,
-                            scale=scale, d_v=d_v)
+  def ref(*args):
+    return reference.backward(*args, scale=scale, d_v=d_v)
+
+  def kernel(*args):
+    return _kernel_backward(*args, scale=scale)
+
+  args = (q, kv, idx, topk_length, sink, o, lse, do, dlse)
+  if impl == "xla" or not _backward_kernel_built():
+    return ref(*args)
+  if impl == "cute":
+    return kernel(*args)
+  return lax.platform_dependent(*args, cuda=kernel, default=ref)
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_kernel_built() -> bool:
+  """Until the backward kernel ships in the library, every implementation differentiates with
+  the reference formulas (they need only the forward's o and lse)."""
+  try:
+    from jax_dsa import _native
+  except ImportError:
+    return False
+  return hasattr(_native, "sparse_mla_bwd") and _native.has_backward()
 
 
 @functools.lru_cache(maxsize=None)
