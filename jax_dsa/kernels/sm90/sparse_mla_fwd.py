@@ -120,6 +120,13 @@ class SparseMlaFwdSm90:
         return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
 
     @staticmethod
+    def _stage(base, layout, stage) -> cute.Tensor:
+        """Tensor `layout` at base + stage * cosize(layout) elements. Offsets are multiples of the
+        512-element (1 KB) swizzle period, so the swizzle phase is unchanged."""
+        off = cute.assume(stage * cute.cosize(layout), divby=512)
+        return cute.make_tensor(base + off, layout)
+
+    @staticmethod
     def _chunk(t: cute.Tensor, row, c) -> cute.Tensor:
         """The 8 contiguous elements (16 B) t[row, 8c : 8c + 8] as a rank-1 tensor."""
         return cute.local_tile(t, (1, 8), (row, c))[0, None]
@@ -133,7 +140,7 @@ class SparseMlaFwdSm90:
 
     @cute.jit
     def _load_block(self, mKV: cute.Tensor, mIdx: cute.Tensor, sValid: cute.Tensor,
-                    kv_base: cute.Pointer, sKV_layout: cute.ComposedLayout, cp_atom: cute.CopyAtom,
+                    sKs: cute.Tensor, cp_atom: cute.CopyAtom,
                     blk: cutlass.Int32, stage: cutlass.Int32, k_eff: cutlass.Int32,
                     S: cutlass.Int32, idx_base: cutlass.Int64, kv_batch: cutlass.Int64,
                     crow: cutlass.Int32, csub: cutlass.Int32):
@@ -141,7 +148,6 @@ class SparseMlaFwdSm90:
         rows are zero-filled (so that P = 0 times V stays finite) and flagged in sValid for the
         score mask."""
         bn = self.bn
-        sKs = cute.make_tensor(kv_base + cute.assume(stage * cute.cosize(sKV_layout), divby=512), sKV_layout)
         j = blk * bn + crow
         row = cutlass.Int32(-1)
         if j < k_eff:
@@ -278,7 +284,8 @@ class SparseMlaFwdSm90:
 
         # ---- prologue: Q and block 0 in one group --------------------------------------------
         if n_blocks > 0:
-            self._load_block(mKV, mIdx, sValid, kv_base, sKV_layout, cp_atom, 0, 0, k_eff, S, idx_base, kv_batch, crow, csub)
+            self._load_block(mKV, mIdx, sValid, self._stage(kv_base, sKV_layout, 0), cp_atom,
+                             0, 0, k_eff, S, idx_base, kv_batch, crow, csub)
         cute.arch.cp_async_commit_group()
 
         # ---- main loop --------------------------------------------------------------------
@@ -286,14 +293,14 @@ class SparseMlaFwdSm90:
             stage = blk % 2
             # Prefetch the next block into the other stage (freed by last iteration's barrier).
             if blk + 1 < n_blocks:
-                self._load_block(
-                    mKV, mIdx, sValid, kv_base, sKV_layout, cp_atom, blk + 1, 1 - stage, k_eff, S, idx_base, kv_batch, crow, csub
-                )
+                self._load_block(mKV, mIdx, sValid, self._stage(kv_base, sKV_layout, 1 - stage),
+                                 cp_atom, blk + 1, 1 - stage, k_eff, S, idx_base, kv_batch,
+                                 crow, csub)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(1)
             cute.arch.sync_threads()
 
-            sKs = cute.make_tensor(kv_base + cute.assume(stage * stage_elems, divby=512), sKV_layout)
+            sKs = self._stage(kv_base, sKV_layout, stage)
             # S = Q K^T
             acc_S = cute.make_rmem_tensor(
                 thr_mma.partition_shape_C((bm, bn)), cutlass.Float32
@@ -349,7 +356,10 @@ class SparseMlaFwdSm90:
                 ),
             )
             sVt = cute.composition(
-                cute.make_tensor(kv_base + cute.assume(stage * stage_elems + grp * (bn * self.dv_g), divby=512), sVg_layout),
+                cute.make_tensor(
+                    kv_base + cute.assume(stage * stage_elems + grp * (bn * self.dv_g), divby=512),
+                    sVg_layout,
+                ),
                 cute.make_layout((self.dv_g, bn), stride=(bn, 1)),
             )
             tOsVt = s2r_V.partition_S(sVt)
@@ -387,7 +397,9 @@ class SparseMlaFwdSm90:
         rO = cute.make_fragment_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         sO = cute.make_tensor(sQ.iterator, sO_layout)
-        sOg = cute.make_tensor(sQ.iterator + cute.assume(grp * (bm * self.dv_g), divby=512), sOg_layout)
+        sOg = cute.make_tensor(
+            sQ.iterator + cute.assume(grp * (bm * self.dv_g), divby=512), sOg_layout
+        )
         r2s = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), tiled_mma
         ).get_slice(gtid)
