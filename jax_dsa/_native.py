@@ -18,6 +18,7 @@ import numpy as np
 
 LIB_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib", "libjax_dsa_sm90.so")
 FWD_TARGET = "jax_dsa_sparse_mla_fwd_sm90"
+BWD_TARGET = "jax_dsa_sparse_mla_bwd_sm90"
 D_V = 512
 
 _lock = threading.Lock()
@@ -64,6 +65,10 @@ def load():
             jax.ffi.register_ffi_target(
                 FWD_TARGET, jax.ffi.pycapsule(lib.JaxDsaSparseMlaFwdSm90), platform="CUDA"
             )
+            if hasattr(lib, "JaxDsaSparseMlaBwdSm90"):
+                jax.ffi.register_ffi_target(
+                    BWD_TARGET, jax.ffi.pycapsule(lib.JaxDsaSparseMlaBwdSm90), platform="CUDA"
+                )
             _registered = True
     return lib
 
@@ -83,15 +88,22 @@ def _ensure_modules_loaded(lib):
             rc = lib.JaxDsaInit()
             if rc != 0:
                 raise RuntimeError(f"jax_dsa: loading the kernel modules failed (cudaError {rc})")
+            if hasattr(lib, "JaxDsaBwdInit"):
+                lib.JaxDsaBwdInit.restype = ctypes.c_int
+                rc = lib.JaxDsaBwdInit()
+                if rc != 0:
+                    raise RuntimeError(
+                        f"jax_dsa: loading the backward kernel modules failed (cudaError {rc})")
             _modules_loaded = True
 
 
-def sparse_mla_fwd(q, kv, idx, topk_length, sink, scale):
+def sparse_mla_fwd(q, kv, idx, topk_length, sink, scale, poison_outputs=False):
     """Forward on the CUDA kernels.
 
     q [B, T, H, Dqk] bf16/f16, kv [B, S, Dqk], idx [B, T, K] int32, topk_length [B, T] int32,
     sink [H] float32 (-inf = no sink), scale: Python float. Returns (o [B, T, H, 512] q.dtype,
-    lse [B, T, H] float32). Shapes are checked by the handler as well.
+    lse [B, T, H] float32). Shapes are checked by the handler as well. poison_outputs (tests):
+    the handler fills o and lse with NaN before the launch, so unwritten elements show.
     """
     lib = load()
     if any(d.platform == "gpu" for d in jax.devices()):
@@ -111,5 +123,51 @@ def sparse_mla_fwd(q, kv, idx, topk_length, sink, scale):
         jnp.asarray(idx, jnp.int32),
         jnp.asarray(topk_length, jnp.int32),
         jnp.asarray(sink, jnp.float32),
+        scale=np.float32(scale),
+        poison=np.int32(bool(poison_outputs)),
+    )
+
+
+def has_backward() -> bool:
+    """True when the library was built with the backward kernels. Never raises."""
+    try:
+        with _lock:
+            lib = _open()
+        if lib is None or not hasattr(lib, "JaxDsaBwdNumKernels"):
+            return False
+        lib.JaxDsaBwdNumKernels.restype = ctypes.c_int
+        return lib.JaxDsaBwdNumKernels() > 0
+    except Exception:  # pragma: no cover - defensive
+        return False
+
+
+def sparse_mla_bwd(q, kv, idx, topk_length, lse, do, coef, scale):
+    """Backward on the CUDA kernels: (dq [B, T, H, Dqk] q.dtype, dkv [B, S, Dqk] float32).
+
+    lse [B, T, H] float32 (the forward's; -inf on dead rows), do [B, T, H, 512],
+    coef [B, T, H, 2] float32 = (c, c * Delta - dlse) per row (see jax_dsa._core). dkv is the
+    fp32 accumulator (zero-filled by the handler); the caller casts it.
+    """
+    lib = load()
+    if any(d.platform == "gpu" for d in jax.devices()):
+        _ensure_modules_loaded(lib)
+    B, T, H, D = q.shape
+    S = kv.shape[1]
+    call = jax.ffi.ffi_call(
+        BWD_TARGET,
+        (
+            jax.ShapeDtypeStruct((B, T, H, D), q.dtype),
+            jax.ShapeDtypeStruct((B, S, D), jnp.float32),
+        ),
+        vmap_method="sequential",
+    )
+    return call(
+        q,
+        kv,
+        jnp.asarray(idx, jnp.int32),
+        jnp.asarray(topk_length, jnp.int32),
+        jnp.asarray(lse, jnp.float32),
+        do.astype(q.dtype),
+        jnp.asarray(coef, jnp.float32),
         scale=np.float32(scale),
     )

@@ -98,6 +98,16 @@ def export_kernels(build_dir, only=None):
             compiled.export_to_c(build_dir, prefix, prefix)
             log(f"exported {prefix} in {time.time() - t0:.1f}s")
             prefixes.append(prefix)
+    from jax_dsa.kernels.sm90.sparse_mla_bwd import compile_bwd
+
+    for dname, d in FWD_SPECS:  # backward: the same (dtype, Dqk) list
+        prefix = f"jax_dsa_bwd_{dname}_d{d}"
+        if only and not any(o in prefix for o in only):
+            continue
+        t0 = time.time()
+        compile_bwd(dtypes[dname], d).export_to_c(build_dir, prefix, prefix)
+        log(f"exported {prefix} in {time.time() - t0:.1f}s")
+        prefixes.append(prefix)
     return prefixes
 
 
@@ -106,6 +116,8 @@ def write_index_header(build_dir, prefixes):
     lines += [f'#include "{p}.h"' for p in prefixes]
     fwd = [p for p in prefixes if p.startswith("jax_dsa_fwd")]
     lines.append("#define JAX_DSA_FWD_SPECS(X) " + " ".join(f"X({p})" for p in fwd))
+    bwd = [p for p in prefixes if p.startswith("jax_dsa_bwd")]
+    lines.append("#define JAX_DSA_BWD_SPECS(X) " + " ".join(f"X({p})" for p in bwd))
     with open(os.path.join(build_dir, "jax_dsa_kernels.h"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -1,0 +1,456 @@
+"""Sparse MLA forward for sm_90a: warp-specialized, no duplicated Q K^T. Experimental.
+
+Same math, grid and flattened arguments as sparse_mla_fwd.SparseMlaFwdSm90 / the wgmma variant
+(so the same FFI handler launches it); export tag "ws".
+
+  * 384 threads = 3 warpgroups, one CTA per SM (launched with min_blocks_per_mp=1):
+      WG0  producer (setmaxnreg 56): gathers the 64-row KV blocks with 16-byte cp.async into a
+           2-stage ring (8 threads per row, 128 contiguous bytes per row and instruction), loads
+           the indices one block ahead, zero-fills invalid rows (never read) and publishes the
+           per-row validity. Completion: every producer thread does
+           cp.async.mbarrier.arrive.noinc (its copies) and a plain mbarrier.arrive (release of
+           its st.shared zero fills / flags) on the stage's "full" barrier (256 arrivals).
+      WG1, WG2  consumers (setmaxnreg 224). Blocks are processed in pairs: consumer c scores
+           block 2i + c (stage c) with wgmma 64x64x16 over the whole Dqk (no duplicated Q K^T,
+           and N = 64 keeps the SS wgmma at the shared-memory bandwidth balance point). The two
+           row maxima are exchanged through shared memory, both consumers apply the same
+           running max, write their P (16 bit) to shared memory, and consumer g accumulates
+           O[:, 256 g : 256 g + 256] += P_0 V_0,g + P_1 V_1,g (wgmma 64x256x16, both operands
+           in shared memory). Each consumer thread then arrives on both stages' "empty"
+           barriers (256 arrivals), which the producer waits on before refilling.
+  * P lives in the rope columns (512..575) of its own stage when Dqk = 576 (dead after Q K^T of
+    that stage; exactly one 64x64 K-major 128B-swizzle tile); with Dqk = 512 it has its own two
+    8 KB tiles. Shared memory: Dqk 576: Q 72 KB + 2 x 72 KB = 216 KB (+1 KB);
+    Dqk 512: 64 KB + 2 x 64 KB + 16 KB = 208 KB.
+  * Writes by the generic proxy (cp.async, zero fills, P) are made visible to wgmma with
+    fence.proxy.async: the consumer fences after its mbarrier wait, the P writers fence before
+    the named barrier.
+  * Heads h >= H are zero rows of Q (loaded by the consumers), never stored; sink/lse accesses
+    guarded. Dead rows: o = 0, lse = -inf. Offsets are 64-bit.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+import cuda.bindings.driver as cuda
+
+from jax_dsa.kernels.sm90.sparse_mla_fwd import LN_2, LOG2_E
+from jax_dsa.kernels.sm90.sparse_mla_fwd_wgmma import SparseMlaFwdWgmmaSm90
+
+CONSUMER_BAR = 1  # named barrier id for the 256 consumer threads (0 is __syncthreads)
+
+
+class SparseMlaFwdWsSm90(SparseMlaFwdWgmmaSm90):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512):
+        super().__init__(dtype, d_qk, d_v, split_qk=False)
+        assert d_v == 512 and d_qk in (512, 576)
+        self.threads = 384
+        self.n_cons = 256  # consumer threads
+        self.tpr = self.n_cons // self.bm  # consumer threads per row for the Q / O copies (4)
+        self.p_tpr = 8  # producer threads per gathered row
+        self.p_rows = 128 // self.p_tpr  # rows covered per pass (16)
+        self.p_passes = self.bn // self.p_rows  # 4 rows per producer thread
+        assert self.chunks % self.p_tpr == 0
+        self.p_in_rope = d_qk == d_v + 64  # P tile stored in the dead rope columns
+        self.prod_regs = 56
+        self.cons_regs = 224
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mLen: cute.Tensor,
+        mSink: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        B: cutlass.Int32,
+        T: cutlass.Int32,
+        H: cutlass.Int32,
+        S: cutlass.Int32,
+        K: cutlass.Int32,
+        scale: cutlass.Float32,
+        stream: cuda.CUstream,
+    ):
+        k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
+        mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, self.dtype)
+        sQ_layout = cute.tile_to_shape(k_atom, (self.bm, self.d_qk), (0, 1))
+        sKV_layout = cute.tile_to_shape(k_atom, (self.bn, self.d_qk), (0, 1))
+        sVt_layout = cute.tile_to_shape(mn_atom, (self.dv_g, self.bn), (1, 0))
+        sP_layout = cute.tile_to_shape(k_atom, (self.bm, self.bn), (0, 1))
+        o_atom = cute.make_composed_layout(
+            cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
+        )
+        sO_layout = cute.tile_to_shape(o_atom, (self.bm, self.d_v), (0, 1))
+        sOg_layout = cute.tile_to_shape(o_atom, (self.bm, self.dv_g), (0, 1))
+        p_elems = 8 if self.p_in_rope else 2 * cute.cosize(sP_layout)
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sKV: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, 2 * cute.cosize(sKV_layout)], 1024
+            ]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
+            sValid: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * self.bn], 16]
+            sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * self.bm], 16]
+            # full[0], full[1], empty[0], empty[1]
+            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 4], 8]
+
+        qk_mma = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            cutlass.Float32, (1, 1, 1), (self.bm, self.bn),
+        )
+        pv_mma = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            cutlass.Float32, (1, 1, 1), (self.bm, self.dv_g), warpgroup.OperandSource.SMEM,
+        )
+        n_head_blocks = (H + self.bm - 1) // self.bm
+        self.kernel(
+            mQ, mKV, mIdx, mLen, mSink, mO, mLse, T, H, S, K, scale * LOG2_E,
+            k_atom.inner, sQ_layout.outer, sKV_layout.outer, sVt_layout.outer, sP_layout.outer,
+            sO_layout, sOg_layout, qk_mma, pv_mma, SharedStorage,
+        ).launch(
+            grid=[T, n_head_blocks, B],
+            block=[self.threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------ producer
+    @cute.jit
+    def _produce(self, mKV: cute.Tensor, mIdx: cute.Tensor, sValid: cute.Tensor, kv_sw,
+                 sKV_layout: cute.Layout, mbar, n_blocks: cutlass.Int32, k_eff: cutlass.Int32,
+                 S: cutlass.Int32, idx_base: cutlass.Int64, kv_batch: cutlass.Int64,
+                 ptid: cutlass.Int32):
+        bn = self.bn
+        psub = ptid % self.p_tpr
+        prow = ptid // self.p_tpr
+        npass = self.p_passes
+        cp_atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+            self.dtype,
+            num_bits_per_copy=128,
+        )
+        idx_nxt = cute.make_rmem_tensor(npass, cutlass.Int32)
+        idx_cur = cute.make_rmem_tensor(npass, cutlass.Int32)
+        for p in cutlass.range_constexpr(npass):
+            j = prow + self.p_rows * p
+            v = cutlass.Int32(-1)
+            if j < k_eff:
+                v = mIdx[idx_base + cutlass.Int64(j)]
+            idx_nxt[p] = v
+        for blk in range(n_blocks):
+            stage = blk % 2
+            for p in cutlass.range_constexpr(npass):
+                idx_cur[p] = idx_nxt[p]
+            # Indices of the next block: their latency hides behind the empty wait below.
+            for p in cutlass.range_constexpr(npass):
+                j = (blk + 1) * bn + prow + self.p_rows * p
+                v = cutlass.Int32(-1)
+                if j < k_eff:
+                    v = mIdx[idx_base + cutlass.Int64(j)]
+                idx_nxt[p] = v
+            if blk >= 2:
+                cute.arch.mbarrier_wait(mbar + 2 + stage, ((blk // 2) + 1) % 2)
+            sKs = self._stage(kv_sw, sKV_layout, stage)
+            for p in cutlass.range_constexpr(npass):
+                r = prow + self.p_rows * p
+                row = idx_cur[p]
+                ok = row >= 0 and row < S
+                if psub == 0:
+                    sValid[stage * bn + r] = cutlass.Int32(1) if ok else cutlass.Int32(0)
+                if ok:
+                    g_row = kv_batch + cutlass.Int64(row)
+                    for i in cutlass.range_constexpr(self.chunks // self.p_tpr):
+                        c = psub + self.p_tpr * i
+                        cute.copy(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKs, r, c))
+                else:
+                    for i in cutlass.range_constexpr(self.chunks // self.p_tpr):
+                        self._chunk(sKs, r, psub + self.p_tpr * i).fill(0)
+            cute.arch.cp_async_mbarrier_arrive_noinc(mbar + stage)
+            cute.arch.mbarrier_arrive(mbar + stage)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+
+    # ------------------------------------------------------------------ kernel
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mLen: cute.Tensor,
+        mSink: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        T: cutlass.Int32,
+        H: cutlass.Int32,
+        S: cutlass.Int32,
+        K: cutlass.Int32,
+        scale_log2: cutlass.Float32,
+        swz: cute.Swizzle,
+        sQ_layout: cute.Layout,
+        sKV_layout: cute.Layout,
+        sVt_layout: cute.Layout,
+        sP_layout: cute.Layout,
+        sO_layout: cute.ComposedLayout,
+        sOg_layout: cute.ComposedLayout,
+        qk_mma: cute.TiledMma,
+        pv_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        bm, bn = self.bm, self.bn
+        tidx, _, _ = cute.arch.thread_idx()
+        t, hb, b = cute.arch.block_idx()
+        wg = tidx // 128
+        h0 = hb * bm
+        bt = cutlass.Int64(b) * cutlass.Int64(T) + cutlass.Int64(t)
+        k_eff = cutlass.min(K, cutlass.max(mLen[bt], 0))
+        n_blocks = (k_eff + bn - 1) // bn
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        q_base = storage.sQ.data_ptr()
+        kv_sw = cute.recast_ptr(storage.sKV.data_ptr(), swizzle_=swz)
+        sValid = storage.sValid.get_tensor(cute.make_layout(2 * bn))
+        sRed = storage.sRed.get_tensor(cute.make_layout(2 * bm))
+        mbar = storage.mbar.data_ptr()
+        stage_elems = cute.cosize(sKV_layout)
+        idx_base = bt * cutlass.Int64(K)
+        kv_batch = cutlass.Int64(b) * cutlass.Int64(S)
+
+        if tidx == 0:
+            cute.arch.mbarrier_init(mbar + 0, 256)
+            cute.arch.mbarrier_init(mbar + 1, 256)
+            cute.arch.mbarrier_init(mbar + 2, 256)
+            cute.arch.mbarrier_init(mbar + 3, 256)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        if wg == 0:
+            # ================================ producer =================================
+            cute.arch.setmaxregister_decrease(self.prod_regs)
+            self._produce(mKV, mIdx, sValid, kv_sw, sKV_layout, mbar, n_blocks, k_eff, S,
+                          idx_base, kv_batch, tidx)
+        else:
+            # ================================ consumers ================================
+            cute.arch.setmaxregister_increase(self.cons_regs)
+            ctid = tidx - 128
+            cg = wg - 1  # consumer group: 0 or 1
+            gtid = tidx % 128
+            crow = ctid // self.tpr
+            csub = ctid % self.tpr
+            sQ = cute.make_tensor(cute.recast_ptr(q_base, swizzle_=swz), sQ_layout)
+
+            # Q (heads h >= H zero-filled).
+            cp_atom = cute.make_copy_atom(
+                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                self.dtype,
+                num_bits_per_copy=128,
+            )
+            q_ok = h0 + crow < H
+            if q_ok:
+                q_row = bt * cutlass.Int64(H) + cutlass.Int64(h0 + crow)
+                for i in cutlass.range_constexpr(self.chunks // self.tpr):
+                    c = csub + self.tpr * i
+                    cute.copy(cp_atom, self._chunk(mQ, q_row, c), self._chunk(sQ, crow, c))
+            else:
+                for i in cutlass.range_constexpr(self.chunks // self.tpr):
+                    self._chunk(sQ, crow, csub + self.tpr * i).fill(0)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=self.n_cons)
+
+            thr_qk = qk_mma.get_slice(gtid)
+            thr_pv = pv_mma.get_slice(gtid)
+            tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+            acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((bm, self.dv_g)))
+            acc_O.fill(0.0)
+            tScS = self._acc_mn_view(thr_qk.partition_C(cute.make_identity_tensor((bm, bn))))
+            acc_S_shape = thr_qk.partition_shape_C((bm, bn))
+            n_rows = cute.size(tScS, mode=[0])
+            row_max = cute.make_rmem_tensor(n_rows, cutlass.Float32)
+            row_sum = cute.make_rmem_tensor(n_rows, cutlass.Float32)
+            row_max.fill(-cutlass.Float32.inf)
+            row_sum.fill(0.0)
+
+            # P tiles: stage s's P at p_base + s * p_stride elements.
+            p_base = kv_sw + cute.assume(self.d_v * bn, divby=512)
+            p_stride = stage_elems
+            if cutlass.const_expr(not self.p_in_rope):
+                p_base = cute.recast_ptr(storage.sP.data_ptr(), swizzle_=swz)
+                p_stride = cute.cosize(sP_layout)
+            r2s_p = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), qk_mma
+            ).get_slice(gtid)
+
+            n_pairs = (n_blocks + 1) // 2
+            for it in range(n_pairs):
+                phase = it % 2
+                has_mine = 2 * it + cg < n_blocks
+                has1 = 2 * it + 1 < n_blocks
+                acc_S = thr_qk.make_fragment_C(acc_S_shape)
+                S_mn = self._acc_mn_view(acc_S)
+                m_blk = cute.make_rmem_tensor(n_rows, cutlass.Float32)
+                m_blk.fill(-cutlass.Float32.inf)
+                if has_mine:
+                    cute.arch.mbarrier_wait(mbar + cg, phase)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    sKs = cute.make_tensor(
+                        kv_sw + cute.assume(cg * stage_elems, divby=512), sKV_layout
+                    )
+                    tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sKs))
+                    warpgroup.fence()
+                    for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                        qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+                        cute.gemm(qk_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    for c in cutlass.range_constexpr(cute.size(S_mn, mode=[1])):
+                        if sValid[cg * bn + tScS[0, c][1]] == 0:
+                            for r in cutlass.range_constexpr(n_rows):
+                                S_mn[r, c] = -cutlass.Float32.inf
+                    for r in cutlass.range_constexpr(n_rows):
+                        S_mn[r, None] = S_mn[r, None].load() * scale_log2
+                        m_blk[r] = self._quad_allreduce(
+                            S_mn[r, None].load().reduce(
+                                cute.ReductionOp.MAX, -cutlass.Float32.inf, 0
+                            ),
+                            cute.arch.fmax,
+                        )
+                # Exchange the block maxima of the pair.
+                if gtid % 4 == 0:
+                    for r in cutlass.range_constexpr(n_rows):
+                        sRed[cg * bm + tScS[r, 0][0]] = m_blk[r]
+                cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=self.n_cons)
+                O_mn = self._acc_mn_view(acc_O)
+                for r in cutlass.range_constexpr(n_rows):
+                    row = tScS[r, 0][0]
+                    m_prev = row_max[r]
+                    m_new = cute.arch.fmax(m_prev, cute.arch.fmax(sRed[row], sRed[bm + row]))
+                    # Nothing valid so far: subtract 0 so exp2(-inf - (-inf)) never yields NaN.
+                    m_use = 0.0 if m_new == -cutlass.Float32.inf else m_new
+                    corr = cute.math.exp2(m_prev - m_use, fastmath=True)
+                    row_max[r] = m_new
+                    O_mn[r, None] = O_mn[r, None].load() * corr
+                    row_sum[r] = row_sum[r] * corr
+                    if has_mine:
+                        p_row = cute.math.exp2(S_mn[r, None].load() - m_use, fastmath=True)
+                        row_sum[r] = row_sum[r] + p_row.reduce(
+                            cute.ReductionOp.ADD, cutlass.Float32.zero, 0
+                        )
+                        S_mn[r, None] = p_row
+                if has_mine:
+                    rP = cute.make_fragment_like(acc_S, self.dtype)
+                    rP.store(acc_S.load().to(self.dtype))
+                    sPc = cute.make_tensor(
+                        p_base + cute.assume(cg * p_stride, divby=512), sP_layout
+                    )
+                    cute.copy(r2s_p, r2s_p.retile(rP), r2s_p.partition_D(sPc))
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=self.n_cons)
+
+                # O_g += P_0 V_0,g (+ P_1 V_1,g); both stages are complete (waited by their
+                # scorer); wait here too so this thread acquires them itself.
+                cute.arch.mbarrier_wait(mbar + 0, phase)
+                if has1:
+                    cute.arch.mbarrier_wait(mbar + 1, phase)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                warpgroup.fence()
+                pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+                sP0 = cute.make_tensor(p_base, sP_layout)
+                tOrP0 = thr_pv.make_fragment_A(thr_pv.partition_A(sP0))
+                sV0 = cute.make_tensor(
+                    kv_sw + cute.assume(cg * (bn * self.dv_g), divby=512), sVt_layout
+                )
+                tOrV0 = thr_pv.make_fragment_B(thr_pv.partition_B(sV0))
+                for k in cutlass.range_constexpr(cute.size(tOrP0, mode=[2])):
+                    cute.gemm(pv_mma, acc_O, tOrP0[None, None, k], tOrV0[None, None, k], acc_O)
+                if has1:
+                    sP1 = cute.make_tensor(p_base + cute.assume(p_stride, divby=512), sP_layout)
+                    tOrP1 = thr_pv.make_fragment_A(thr_pv.partition_A(sP1))
+                    sV1 = cute.make_tensor(
+                        kv_sw + cute.assume(stage_elems + cg * (bn * self.dv_g), divby=512),
+                        sVt_layout,
+                    )
+                    tOrV1 = thr_pv.make_fragment_B(thr_pv.partition_B(sV1))
+                    for k in cutlass.range_constexpr(cute.size(tOrP1, mode=[2])):
+                        cute.gemm(pv_mma, acc_O, tOrP1[None, None, k], tOrV1[None, None, k],
+                                  acc_O)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                cute.arch.mbarrier_arrive(mbar + 2)
+                cute.arch.mbarrier_arrive(mbar + 3)
+
+            # ---- epilogue ------------------------------------------------------------
+            l_all = cute.make_rmem_tensor(n_rows, cutlass.Float32)
+            for r in cutlass.range_constexpr(n_rows):
+                l_all[r] = self._quad_allreduce(row_sum[r], lambda a, c: a + c)
+            # Each consumer summed only its own blocks (with the shared running max). The
+            # last in-loop barrier ordered every read of sRed before these writes.
+            if gtid % 4 == 0:
+                for r in cutlass.range_constexpr(n_rows):
+                    sRed[cg * bm + tScS[r, 0][0]] = l_all[r]
+            cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=self.n_cons)
+            for r in cutlass.range_constexpr(n_rows):
+                row = tScS[r, 0][0]
+                l_all[r] = sRed[row] + sRed[bm + row]
+            O_mn = self._acc_mn_view(acc_O)
+            for r in cutlass.range_constexpr(n_rows):
+                l = l_all[r]
+                m = row_max[r]
+                m_use = 0.0 if m == -cutlass.Float32.inf else m
+                h = h0 + tScS[r, 0][0]
+                denom = l
+                if h < H:
+                    denom = l + cute.math.exp2(mSink[h] * LOG2_E - m_use, fastmath=True)
+                inv = 0.0 if denom <= 0.0 else 1.0 / denom
+                O_mn[r, None] = O_mn[r, None].load() * inv
+                if cg == 0 and gtid % 4 == 0 and h < H:
+                    lse = -cutlass.Float32.inf
+                    if l > 0.0:
+                        lse = (m_use + cute.math.log2(l)) * LN_2
+                    mLse[bt * cutlass.Int64(H) + cutlass.Int64(h)] = lse
+
+            # O through shared memory (the Q tile is dead: every Q K^T completed before the
+            # last in-loop barrier).
+            rO = cute.make_fragment_like(acc_O, self.dtype)
+            rO.store(acc_O.load().to(self.dtype))
+            sO = cute.make_tensor(q_base, sO_layout)
+            sOg = cute.make_tensor(
+                q_base + cute.assume(cg * (bm * self.dv_g), divby=512), sOg_layout
+            )
+            r2s = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), pv_mma
+            ).get_slice(gtid)
+            cute.copy(r2s, r2s.retile(rO), r2s.partition_D(sOg))
+            cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=self.n_cons)
+            st_atom = cute.make_copy_atom(
+                cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
+            )
+            if q_ok:
+                o_row = bt * cutlass.Int64(H) + cutlass.Int64(h0 + crow)
+                for i in cutlass.range_constexpr(self.d_v // 8 // self.tpr):
+                    c = csub + self.tpr * i
+                    cute.copy(st_atom, self._chunk(sO, crow, c), self._chunk(mO, o_row, c))
+
+
+def compile_fwd_ws(dtype, d_qk: int, d_v: int = 512):
+    """Compile with shape-only tensors (same argument list as sparse_mla_fwd.compile_fwd)."""
+    rows_q, rows_kv, n_idx, n_tok, n_head = (cute.sym_int64() for _ in range(5))
+    q = make_fake_compact_tensor(dtype, (rows_q, d_qk), stride_order=(1, 0), assumed_align=16)
+    kv = make_fake_compact_tensor(dtype, (rows_kv, d_qk), stride_order=(1, 0), assumed_align=16)
+    idx = make_fake_compact_tensor(cutlass.Int32, (n_idx,), assumed_align=4)
+    tl = make_fake_compact_tensor(cutlass.Int32, (n_tok,), assumed_align=4)
+    sink = make_fake_compact_tensor(cutlass.Float32, (n_head,), assumed_align=4)
+    o = make_fake_compact_tensor(dtype, (rows_q, d_v), stride_order=(1, 0), assumed_align=16)
+    lse = make_fake_compact_tensor(cutlass.Float32, (rows_q,), assumed_align=4)
+    i32 = cutlass.Int32(1)
+    return cute.compile(SparseMlaFwdWsSm90(dtype, d_qk, d_v), q, kv, idx, tl, sink, o, lse,
+                        i32, i32, i32, i32, i32, cutlass.Float32(1.0), make_fake_stream())
