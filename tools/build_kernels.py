@@ -31,6 +31,7 @@ FWD_VARIANTS = {
     "simt": ("sparse_mla_fwd_simt", "compile_fwd_simt"),
     "wgmma": ("sparse_mla_fwd_wgmma", "compile_fwd_wgmma"),
     "wgmmasplit": ("sparse_mla_fwd_wgmma", "compile_fwd_wgmma_split"),
+    "ws": ("sparse_mla_fwd_ws", "compile_fwd_ws"),
 }
 # (dtype name, Dqk); one export per variant and spec.
 FWD_SPECS = [("bf16", 512), ("bf16", 576), ("f16", 512), ("f16", 576)]

@@ -10,16 +10,18 @@ Same math, grid and flattened arguments as sparse_mla_fwd.SparseMlaFwdSm90 / the
            per-row validity. Completion: every producer thread does
            cp.async.mbarrier.arrive.noinc (its copies) and a plain mbarrier.arrive (release of
            its st.shared zero fills / flags) on the stage's "full" barrier (256 arrivals).
-      WG1, WG2  consumers (setmaxnreg 224). Blocks are processed in pairs: consumer c scores
-           block 2i + c (stage c) with wgmma 64x64x16 over the whole Dqk (no duplicated Q K^T,
-           and N = 64 keeps the SS wgmma at the shared-memory bandwidth balance point). The two
-           row maxima are exchanged through shared memory, both consumers apply the same
-           running max, write their P (16 bit) to shared memory, and consumer g accumulates
-           O[:, 256 g : 256 g + 256] += P_0 V_0,g + P_1 V_1,g (wgmma 64x256x16, both operands
-           in shared memory). Each consumer thread then arrives on both stages' "empty"
-           barriers (256 arrivals), which the producer waits on before refilling.
-  * P lives in the rope columns (512..575) of its own stage when Dqk = 576 (dead after Q K^T of
-    that stage; exactly one 64x64 K-major 128B-swizzle tile); with Dqk = 512 it has its own two
+      WG1, WG2  consumers (setmaxnreg 224), block after block (stage blk % 2): consumer c
+           scores keys [32 c, 32 c + 32) of the block (wgmma 64x32x16 over the whole Dqk: no
+           duplicated Q K^T), the two row maxima are exchanged through shared memory (named
+           barrier of the 256 consumer threads), both apply the same running max, each writes
+           its 32 columns of P (16 bit) into the block's 64 x 64 P tile, and after a second
+           named barrier consumer g accumulates O[:, 256 g : 256 g + 256] += P V_g (wgmma
+           64x256x16, both operands in shared memory). Each consumer thread then arrives on the
+           stage's "empty" barrier (256 arrivals) and the producer refills it with block
+           blk + 2 while block blk + 1 is computed.
+  * P lives in the rope columns (512..575) of its own stage when Dqk = 576 (dead once both
+    Q K^T of the block completed, i.e. after the first named barrier; exactly one 64x64 K-major
+    128B-swizzle tile); with Dqk = 512 it has its own two
     8 KB tiles. Shared memory: Dqk 576: Q 72 KB + 2 x 72 KB = 216 KB (+1 KB);
     Dqk 512: 64 KB + 2 x 64 KB + 16 KB = 208 KB.
   * Writes by the generic proxy (cp.async, zero fills, P) are made visible to wgmma with
@@ -44,7 +46,7 @@ CONSUMER_BAR = 1  # named barrier id for the 256 consumer threads (0 is __syncth
 
 class SparseMlaFwdWsSm90(SparseMlaFwdWgmmaSm90):
     def __init__(self, dtype, d_qk: int, d_v: int = 512):
-        super().__init__(dtype, d_qk, d_v, split_qk=False)
+        super().__init__(dtype, d_qk, d_v, split_qk=True)  # bn_g = 32 keys per group
         assert d_v == 512 and d_qk in (512, 576)
         self.threads = 384
         self.n_cons = 256  # consumer threads
@@ -102,7 +104,7 @@ class SparseMlaFwdWsSm90(SparseMlaFwdWgmmaSm90):
 
         qk_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            cutlass.Float32, (1, 1, 1), (self.bm, self.bn),
+            cutlass.Float32, (1, 1, 1), (self.bm, self.bn_g),
         )
         pv_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
@@ -272,8 +274,14 @@ class SparseMlaFwdWsSm90(SparseMlaFwdWgmmaSm90):
             tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
             acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((bm, self.dv_g)))
             acc_O.fill(0.0)
-            tScS = self._acc_mn_view(thr_qk.partition_C(cute.make_identity_tensor((bm, bn))))
-            acc_S_shape = thr_qk.partition_shape_C((bm, bn))
+            tScS = self._acc_mn_view(
+                thr_qk.partition_C(cute.make_identity_tensor((bm, self.bn_g)))
+            )
+            acc_S_shape = thr_qk.partition_shape_C((bm, self.bn_g))
+            # Layout of one group's rows of a gathered tile (32 keys x Dqk, whole 8-row atoms).
+            sK_rows_layout = cute.local_tile(
+                cute.make_tensor(kv_sw, sKV_layout), (self.bn_g, self.d_qk), (0, 0)
+            ).layout
             n_rows = cute.size(tScS, mode=[0])
             row_max = cute.make_rmem_tensor(n_rows, cutlass.Float32)
             row_sum = cute.make_rmem_tensor(n_rows, cutlass.Float32)
@@ -290,41 +298,39 @@ class SparseMlaFwdWsSm90(SparseMlaFwdWgmmaSm90):
                 cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), qk_mma
             ).get_slice(gtid)
 
-            n_pairs = (n_blocks + 1) // 2
-            for it in range(n_pairs):
-                phase = it % 2
-                has_mine = 2 * it + cg < n_blocks
-                has1 = 2 * it + 1 < n_blocks
+            bn_g = self.bn_g
+            for blk in range(n_blocks):
+                stage = blk % 2
+                phase = (blk // 2) % 2
+                stage_off = cute.assume(stage * stage_elems, divby=512)
+                cute.arch.mbarrier_wait(mbar + stage, phase)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                # S = Q K_c^T for this group's keys [32 cg, 32 cg + 32) of the block.
+                sKs = cute.make_tensor(
+                    kv_sw + stage_off + cute.assume(cg * (bn_g * 64), divby=512), sK_rows_layout
+                )
+                tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sKs))
                 acc_S = thr_qk.make_fragment_C(acc_S_shape)
                 S_mn = self._acc_mn_view(acc_S)
+                warpgroup.fence()
+                for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                    qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+                    cute.gemm(qk_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                for c in cutlass.range_constexpr(cute.size(S_mn, mode=[1])):
+                    if sValid[stage * bn + cg * bn_g + tScS[0, c][1]] == 0:
+                        for r in cutlass.range_constexpr(n_rows):
+                            S_mn[r, c] = -cutlass.Float32.inf
                 m_blk = cute.make_rmem_tensor(n_rows, cutlass.Float32)
-                m_blk.fill(-cutlass.Float32.inf)
-                if has_mine:
-                    cute.arch.mbarrier_wait(mbar + cg, phase)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    sKs = cute.make_tensor(
-                        kv_sw + cute.assume(cg * stage_elems, divby=512), sKV_layout
+                for r in cutlass.range_constexpr(n_rows):
+                    S_mn[r, None] = S_mn[r, None].load() * scale_log2
+                    m_blk[r] = self._quad_allreduce(
+                        S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0),
+                        cute.arch.fmax,
                     )
-                    tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sKs))
-                    warpgroup.fence()
-                    for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                        qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
-                        cute.gemm(qk_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
-                    for c in cutlass.range_constexpr(cute.size(S_mn, mode=[1])):
-                        if sValid[cg * bn + tScS[0, c][1]] == 0:
-                            for r in cutlass.range_constexpr(n_rows):
-                                S_mn[r, c] = -cutlass.Float32.inf
-                    for r in cutlass.range_constexpr(n_rows):
-                        S_mn[r, None] = S_mn[r, None].load() * scale_log2
-                        m_blk[r] = self._quad_allreduce(
-                            S_mn[r, None].load().reduce(
-                                cute.ReductionOp.MAX, -cutlass.Float32.inf, 0
-                            ),
-                            cute.arch.fmax,
-                        )
-                # Exchange the block maxima of the pair.
+                # Row max over both groups' keys. (Every Q K^T of this block is complete once
+                # this barrier is passed: the rope tile may be overwritten with P below.)
                 if gtid % 4 == 0:
                     for r in cutlass.range_constexpr(n_rows):
                         sRed[cg * bm + tScS[r, 0][0]] = m_blk[r]
@@ -337,56 +343,38 @@ class SparseMlaFwdWsSm90(SparseMlaFwdWgmmaSm90):
                     # Nothing valid so far: subtract 0 so exp2(-inf - (-inf)) never yields NaN.
                     m_use = 0.0 if m_new == -cutlass.Float32.inf else m_new
                     corr = cute.math.exp2(m_prev - m_use, fastmath=True)
+                    p_row = cute.math.exp2(S_mn[r, None].load() - m_use, fastmath=True)
+                    row_sum[r] = row_sum[r] * corr + p_row.reduce(
+                        cute.ReductionOp.ADD, cutlass.Float32.zero, 0
+                    )
                     row_max[r] = m_new
                     O_mn[r, None] = O_mn[r, None].load() * corr
-                    row_sum[r] = row_sum[r] * corr
-                    if has_mine:
-                        p_row = cute.math.exp2(S_mn[r, None].load() - m_use, fastmath=True)
-                        row_sum[r] = row_sum[r] + p_row.reduce(
-                            cute.ReductionOp.ADD, cutlass.Float32.zero, 0
-                        )
-                        S_mn[r, None] = p_row
-                if has_mine:
-                    rP = cute.make_fragment_like(acc_S, self.dtype)
-                    rP.store(acc_S.load().to(self.dtype))
-                    sPc = cute.make_tensor(
-                        p_base + cute.assume(cg * p_stride, divby=512), sP_layout
-                    )
-                    cute.copy(r2s_p, r2s_p.retile(rP), r2s_p.partition_D(sPc))
-                    cute.arch.fence_proxy("async.shared", space="cta")
+                    S_mn[r, None] = p_row
+                # This group's 32 columns of the block's 64 x 64 P tile (16 bit).
+                rP = cute.make_fragment_like(acc_S, self.dtype)
+                rP.store(acc_S.load().to(self.dtype))
+                sP_full = cute.make_tensor(
+                    p_base + cute.assume(stage * p_stride, divby=512), sP_layout
+                )
+                sPc = cute.local_tile(sP_full, (bm, bn_g), (0, cg))
+                cute.copy(r2s_p, r2s_p.retile(rP), r2s_p.partition_D(sPc))
+                cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=self.n_cons)
 
-                # O_g += P_0 V_0,g (+ P_1 V_1,g); both stages are complete (waited by their
-                # scorer); wait here too so this thread acquires them itself.
-                cute.arch.mbarrier_wait(mbar + 0, phase)
-                if has1:
-                    cute.arch.mbarrier_wait(mbar + 1, phase)
-                cute.arch.fence_proxy("async.shared", space="cta")
+                # O_g += P V_g (both operands in shared memory).
+                tOrP = thr_pv.make_fragment_A(thr_pv.partition_A(sP_full))
+                sVt = cute.make_tensor(
+                    kv_sw + stage_off + cute.assume(cg * (bn * self.dv_g), divby=512),
+                    sVt_layout,
+                )
+                tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
                 warpgroup.fence()
                 pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-                sP0 = cute.make_tensor(p_base, sP_layout)
-                tOrP0 = thr_pv.make_fragment_A(thr_pv.partition_A(sP0))
-                sV0 = cute.make_tensor(
-                    kv_sw + cute.assume(cg * (bn * self.dv_g), divby=512), sVt_layout
-                )
-                tOrV0 = thr_pv.make_fragment_B(thr_pv.partition_B(sV0))
-                for k in cutlass.range_constexpr(cute.size(tOrP0, mode=[2])):
-                    cute.gemm(pv_mma, acc_O, tOrP0[None, None, k], tOrV0[None, None, k], acc_O)
-                if has1:
-                    sP1 = cute.make_tensor(p_base + cute.assume(p_stride, divby=512), sP_layout)
-                    tOrP1 = thr_pv.make_fragment_A(thr_pv.partition_A(sP1))
-                    sV1 = cute.make_tensor(
-                        kv_sw + cute.assume(stage_elems + cg * (bn * self.dv_g), divby=512),
-                        sVt_layout,
-                    )
-                    tOrV1 = thr_pv.make_fragment_B(thr_pv.partition_B(sV1))
-                    for k in cutlass.range_constexpr(cute.size(tOrP1, mode=[2])):
-                        cute.gemm(pv_mma, acc_O, tOrP1[None, None, k], tOrV1[None, None, k],
-                                  acc_O)
+                for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                    cute.gemm(pv_mma, acc_O, tOrP[None, None, k], tOrV[None, None, k], acc_O)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
-                cute.arch.mbarrier_arrive(mbar + 2)
-                cute.arch.mbarrier_arrive(mbar + 3)
+                cute.arch.mbarrier_arrive(mbar + 2 + stage)
 
             # ---- epilogue ------------------------------------------------------------
             l_all = cute.make_rmem_tensor(n_rows, cutlass.Float32)
