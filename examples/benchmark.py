@@ -37,7 +37,7 @@ SHAPES = [("V4-Flash H=64", 64, 512), ("V4-Pro H=128 k512", 128, 512),
           ("V4-Pro H=128", 128, 1024), ("TP shard H=16", 16, 512), ("TP shard H=8", 8, 512),
           ("H=1", 1, 512), ("H=24", 24, 512), ("H=32", 32, 512), ("H=48", 48, 512),
           ("H=96", 96, 512), ("H=100", 100, 512)]
-QUICK = ["V4-Flash H=64", "V4-Pro H=128 k512", "V4-Pro H=128", "TP shard H=16"]
+QUICK = ["V4-Flash H=64", "V4-Pro H=128 k512", "V4-Pro H=128", "TP shard H=16", "TP shard H=8"]
 
 
 def make_inputs(h, topk, tokens, seed=0):

@@ -88,21 +88,29 @@ cudaError_t LoadAll() {
   return g_load_status;
 }
 
-// Kernel variant, read once. Default: the Hopper wgmma kernel (fastest measured on the H200);
-// JAX_DSA_FWD_IMPL=mma (mma.sync), =wgmmasplit or =simt (plain cross-check kernel) select the
-// others (export prefix jax_dsa_fwd<tag>_<dtype>_d<Dqk>, where mma has the empty tag).
-const std::string& FwdImpl() {
+// Kernel variant. By default H <= 32 (tensor-parallel shards) runs the small-H kernel (heads on
+// wgmma's N side) and larger H the Hopper wgmma kernel. JAX_DSA_FWD_IMPL (read once) forces one
+// variant for every H: wgmma, mma (mma.sync), wgmmasplit, ws (warp-specialized), smallh (H <= 32
+// only) or simt (plain cross-check). Export prefix: jax_dsa_fwd<tag>_<dtype>_d<Dqk>, where mma
+// has the empty tag.
+constexpr int64_t kSmallHeads = 32;
+
+const std::string& ForcedImpl() {
   static const std::string impl = [] {
     const char* e = std::getenv("JAX_DSA_FWD_IMPL");
-    std::string v = e ? e : "";
-    if (v.empty() || v == "default") return std::string("wgmma");
-    return v == "mma" ? std::string() : v;
+    return std::string(e ? e : "");
   }();
   return impl;
 }
 
-LaunchFn FindFwd(bool bf16, int64_t d_qk) {
-  const std::string name = "jax_dsa_fwd" + FwdImpl() + "_" + (bf16 ? "bf16" : "f16") + "_d" +
+std::string FwdTag(int64_t heads) {
+  const std::string& forced = ForcedImpl();
+  if (forced.empty() || forced == "default") return heads <= kSmallHeads ? "smallh" : "wgmma";
+  return forced == "mma" ? std::string() : forced;
+}
+
+LaunchFn FindFwd(const std::string& tag, bool bf16, int64_t d_qk) {
+  const std::string name = "jax_dsa_fwd" + tag + "_" + (bf16 ? "bf16" : "f16") + "_d" +
                            std::to_string(d_qk);
 #define JAX_DSA_FWD_MATCH(PREFIX) \
   if (name == #PREFIX) return &Spec_##PREFIX::launch;
@@ -162,9 +170,12 @@ ffi::Error SparseMlaFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
     return err("B must be <= 65535 and T, S, K < 2^31");
   if (B == 0 || T == 0) return ffi::Error::Success();
 
-  LaunchFn launch = FindFwd(dt == ffi::DataType::BF16, D);
+  const std::string tag = FwdTag(H);
+  if (tag == "smallh" && H > kSmallHeads)  // the small-H kernel launches nothing above 32 heads
+    return err("JAX_DSA_FWD_IMPL=smallh takes H <= 32, got H=" + std::to_string(H));
+  LaunchFn launch = FindFwd(tag, dt == ffi::DataType::BF16, D);
   if (launch == nullptr)
-    return ffi::Error::Internal("jax_dsa sparse_mla_fwd: no kernel jax_dsa_fwd" + FwdImpl() +
+    return ffi::Error::Internal("jax_dsa sparse_mla_fwd: no kernel jax_dsa_fwd" + tag +
                                 " was built for this dtype/Dqk");
 
   int prev = -1;

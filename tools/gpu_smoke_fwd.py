@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 from jax_dsa import _native  # noqa: E402
 
 D_V = 512
-IMPLS = ["mma", "wgmma", "wgmmasplit", "simt"]
+IMPLS = ["mma", "wgmma", "wgmmasplit", "ws", "smallh", "simt"]
 
 
 @jax.jit
@@ -126,7 +126,9 @@ def time_case(B, T, S, H, D, K, n=20, batches=7):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-timing", action="store_true")
-    ap.add_argument("--impl", default="mma", choices=IMPLS + ["all"],
+    ap.add_argument("--max-heads", type=int, default=128, help="skip cases with more heads")
+    ap.add_argument("--time-heads", default="64,128", help="head counts timed at D=512")
+    ap.add_argument("--impl", default="mma", choices=IMPLS + ["all", "default"],
                     help="kernel variant (sets JAX_DSA_FWD_IMPL)")
     args = ap.parse_args()
     if args.impl == "all":
@@ -159,12 +161,21 @@ def main():
         dict(i=903, B=1, T=2, S=10, H=16, D=512, K=64, invalid_frac=1.0),  # all invalid
         dict(i=904, B=3, T=33, S=4096, H=64, D=512, K=640, invalid_frac=0.05),
     ]
+    # Small-H kernel edges: N padding (7, 9, 17, 25), a token stream crossing CTA boundaries.
+    for j, H in enumerate((7, 8, 9, 17, 25, 32)):
+        cases.append(dict(i=950 + j, B=2, T=5, S=300, H=H, D=(512, 576)[j % 2], K=(63, 200)[j % 2],
+                          sink_on=bool(j % 2), tl_mode="partial"))
+    cases.append(dict(i=960, B=3, T=700, S=2000, H=16, D=576, K=130, invalid_frac=0.1,
+                      tl_mode="partial"))
+    cases = [c for c in cases if c["H"] <= args.max_heads]
     results = [check_case(**c) for c in cases]
     print(f"{sum(results)}/{len(results)} cases passed")
     if not args.skip_timing:
-        for H in (64, 128):
+        heads = [int(h) for h in args.time_heads.split(",")]
+        for H in heads:
             time_case(1, 4096, 4096, H, 512, 640)
-        time_case(1, 4096, 4096, 128, 576, 640)
+        if 128 in heads:
+            time_case(1, 4096, 4096, 128, 512, 1152)
     sys.exit(0 if all(results) else 1)
 
 

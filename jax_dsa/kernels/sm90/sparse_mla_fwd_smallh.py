@@ -34,7 +34,8 @@ Layout of the work:
     with 16-byte stores for h < H only.
   * Generic-proxy smem writes (cp.async, zero fills, P^T) are published to wgmma with
     fence.proxy.async before the barrier that precedes the wgmma.
-Shared memory at Dqk = 576, NP = 32: Q 2 x 36 KB + KV 2 x 72 KB + 8 KB exchange/P + 2 KB = 226 KB.
+Shared memory at Dqk = 576, NP = 32: Q 2 x 36 KB + KV 2 x 72 KB + 8 KB exchange/P/sCorr/sM + 1 KB
+(225 KB dynamic + 1 KB static, limit 227 KB); one CTA per SM.
 """
 
 import cutlass
@@ -85,13 +86,11 @@ class _SmallHKernel(SparseMlaFwdSm90):
             sKV: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, 2 * cute.cosize(sKV_layout)], 1024
             ]
-            # fp32 S^T partial of warpgroup 1 (nv x 128), later aliased by P^T (NP x 64, 16 bit).
+            # fp32 S^T partial of warpgroup 1 (nv x 128 = 256 NP bytes), later aliased by P^T
+            # (NP x 64, 16 bit: the first 128 NP bytes) and, behind it, sCorr[NP] and sM[NP].
             sXP: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 128 * self.nv], 1024]
             sValid: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * self.bn], 16]
             sMax: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * np_], 16]
-            sCorr: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, np_], 16]
-            sL: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * np_], 16]
-            sM: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, np_], 16]
 
         return SharedStorage
 
@@ -215,9 +214,11 @@ class _SmallHKernel(SparseMlaFwdSm90):
             cute.recast_ptr(storage.sXP.data_ptr(), swizzle_=swz, dtype=self.dtype), sP_layout
         )
         sMax = storage.sMax.get_tensor(cute.make_layout((4, np_), stride=(np_, 1)))
-        sCorr = storage.sCorr.get_tensor(cute.make_layout(np_))
-        sL = storage.sL.get_tensor(cute.make_layout((4, np_), stride=(np_, 1)))
-        sM = storage.sM.get_tensor(cute.make_layout(np_))
+        p_floats = np_ * self.bn // 2  # P^T's bytes in fp32 units
+        sCorr = cute.make_tensor(storage.sXP.data_ptr() + p_floats, cute.make_layout(np_))
+        # Per-warp column sums of the epilogue; sMax is dead by then (read before the pre-PV barrier).
+        sL = storage.sMax.get_tensor(cute.make_layout((4, np_), stride=(np_, 1)))
+        sM = cute.make_tensor(storage.sXP.data_ptr() + (p_floats + np_), cute.make_layout(np_))
 
         cp_atom = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
