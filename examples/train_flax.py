@@ -37,13 +37,14 @@ except ImportError:  # older jax
 
 
 class V4Attention(nnx.Module):
-  def __init__(self, d_model, num_heads, head_dim, d_v, window, ratio, *, rngs):
+  def __init__(self, d_model, num_heads, head_dim, d_v, window, ratio, *, rngs,
+               dtype=jnp.float32, implementation=None):
     init = nnx.initializers.lecun_normal()
     self.wq = nnx.Param(init(rngs.params(), (d_model, num_heads, head_dim)))
     self.wkv = nnx.Param(init(rngs.params(), (d_model, head_dim)))
     self.wo = nnx.Param(init(rngs.params(), (num_heads, d_v, d_model)) * 0.5)
-    self.attn = SparseMLA(num_heads, d_v=d_v)
-    self.window, self.ratio = window, ratio
+    self.attn = SparseMLA(num_heads, d_v=d_v, implementation=implementation)
+    self.window, self.ratio, self.dtype = window, ratio, dtype
 
   def __call__(self, x):
     b, t, _ = x.shape
@@ -54,7 +55,9 @@ class V4Attention(nnx.Module):
     buffer = jnp.concatenate([kv, compressed], axis=1)
     idx = indices.concat_window_compressed(indices.sliding_window(t, self.window),
                                            indices.compressed_causal(t, self.ratio), offset=t)
-    o = self.attn(q, buffer, jnp.broadcast_to(idx, (b,) + idx.shape))
+    # Attention runs in the compute dtype (bf16 for the Hopper kernels); weights stay fp32.
+    o = self.attn(q.astype(self.dtype), buffer.astype(self.dtype),
+                  jnp.broadcast_to(idx, (b,) + idx.shape))
     return jnp.einsum("bthv,hvm->btm", o, self.wo[...])
 
 
@@ -80,14 +83,16 @@ def make_data(key, batch, tokens, d_model):
 
 
 def train(mode, *, steps=8, batch=8, tokens=32, d_model=64, num_heads=8, head_dim=32, d_v=16,
-          window=8, ratio=4, dtype=jnp.float32, lr=1e-2, seed=0, verbose=True):
-  model = V4Attention(d_model, num_heads, head_dim, d_v, window, ratio, rngs=nnx.Rngs(seed))
+          window=8, ratio=4, dtype=jnp.float32, lr=1e-2, seed=0, verbose=True,
+          implementation=None):
+  model = V4Attention(d_model, num_heads, head_dim, d_v, window, ratio, rngs=nnx.Rngs(seed),
+                      dtype=dtype, implementation=implementation)
   graphdef, state = nnx.split(model)
   mesh = make_mesh(num_heads)
   specs = jax.tree_util.tree_map_with_path(param_spec, state)
   state = jax.tree.map(lambda v, s: jax.device_put(v, NamedSharding(mesh, s)), state, specs)
   x, y = make_data(jax.random.key(seed + 1), batch, tokens, d_model)
-  x = jax.device_put(x.astype(dtype), NamedSharding(mesh, P("data")))
+  x = jax.device_put(x, NamedSharding(mesh, P("data")))
   y = jax.device_put(y, NamedSharding(mesh, P("data")))
 
   def forward(state, x):
@@ -124,13 +129,21 @@ def train(mode, *, steps=8, batch=8, tokens=32, d_model=64, num_heads=8, head_di
   return losses
 
 
+# A layer the Hopper kernels run (bf16, Dqk 576 = 512 latent + 64 rope, d_v 512).
+KERNEL_SHAPE = dict(batch=4, tokens=256, d_model=256, num_heads=16, head_dim=576, d_v=512,
+                    window=64, ratio=4, dtype=jnp.bfloat16, lr=3e-3)
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--steps", type=int, default=8)
   parser.add_argument("--mode", choices=["jit", "shard_map", "both"], default="both")
+  parser.add_argument("--kernel-shape", action="store_true",
+                      help="a shape the Hopper kernels take: bf16, 16 heads, Dqk 576, d_v 512")
   args = parser.parse_args(argv)
   modes = ["jit", "shard_map"] if args.mode == "both" else [args.mode]
-  results = {m: train(m, steps=args.steps) for m in modes}
+  shape = KERNEL_SHAPE if args.kernel_shape else {}
+  results = {m: train(m, steps=args.steps, **shape) for m in modes}
   for m, losses in results.items():
     print(f"{m}: loss {losses[0]:.5f} -> {losses[-1]:.5f}")
   return results
