@@ -17,7 +17,6 @@
 
 #include <cstdint>
 #include <mutex>
-#include <cstdlib>
 #include <string>
 
 // Module loading in the exported headers reports CUDA errors through this macro; record the
@@ -105,21 +104,9 @@ cudaError_t LoadAllBwd() {
   return g_bwd_load_status;
 }
 
-// Kernel version: v2 (vector dkv atomics, padded head groups skipped) by default;
-// JAX_DSA_BWD_IMPL=v1 (read once) selects the first version. Export prefix
-// jax_dsa_bwd<tag>_<dtype>_d<Dqk>, where v1 has the empty tag.
-const std::string& BwdTag() {
-  static const std::string tag = [] {
-    const char* e = std::getenv("JAX_DSA_BWD_IMPL");
-    std::string v = e ? e : "";
-    return v == "v1" ? std::string() : std::string("v2");
-  }();
-  return tag;
-}
-
 LaunchFn FindBwd(bool bf16, int64_t d_qk) {
-  const std::string name = "jax_dsa_bwd" + BwdTag() + "_" + (bf16 ? "bf16" : "f16") + "_d" +
-                           std::to_string(d_qk);
+  const std::string name =
+      std::string("jax_dsa_bwd_") + (bf16 ? "bf16" : "f16") + "_d" + std::to_string(d_qk);
 #define JAX_DSA_BWD_MATCH(PREFIX) \
   if (name == #PREFIX) return &Spec_##PREFIX::launch;
   JAX_DSA_BWD_SPECS(JAX_DSA_BWD_MATCH)

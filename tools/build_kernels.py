@@ -34,12 +34,6 @@ FWD_VARIANTS = {
     "ws": ("sparse_mla_fwd_ws", "compile_fwd_ws"),
     "smallh": ("sparse_mla_fwd_smallh", "compile_fwd_smallh"),
 }
-# Backward versions: tag -> (module, compile function); the handler picks v2 unless
-# JAX_DSA_BWD_IMPL=v1.
-BWD_VARIANTS = {
-    "": ("sparse_mla_bwd", "compile_bwd"),
-    "v2": ("sparse_mla_bwd_v2", "compile_bwd_v2"),
-}
 # (dtype name, Dqk); one export per variant and spec.
 FWD_SPECS = [("bf16", 512), ("bf16", 576), ("f16", 512), ("f16", 576)]
 
@@ -106,16 +100,16 @@ def export_kernels(build_dir, only=None):
             compiled.export_to_c(build_dir, prefix, prefix)
             log(f"exported {prefix} in {time.time() - t0:.1f}s")
             prefixes.append(prefix)
-    for tag, (mod_name, fn_name) in BWD_VARIANTS.items():
-        compile_fn = getattr(importlib.import_module(f"jax_dsa.kernels.sm90.{mod_name}"), fn_name)
-        for dname, d in FWD_SPECS:  # the backward has the same (dtype, Dqk) list
-            prefix = f"jax_dsa_bwd{tag}_{dname}_d{d}"
-            if only and not any(o in prefix for o in only):
-                continue
-            t0 = time.time()
-            compile_fn(dtypes[dname], d).export_to_c(build_dir, prefix, prefix)
-            log(f"exported {prefix} in {time.time() - t0:.1f}s")
-            prefixes.append(prefix)
+    from jax_dsa.kernels.sm90.sparse_mla_bwd import compile_bwd
+
+    for dname, d in FWD_SPECS:  # the backward has the same (dtype, Dqk) list
+        prefix = f"jax_dsa_bwd_{dname}_d{d}"
+        if only and not any(o in prefix for o in only):
+            continue
+        t0 = time.time()
+        compile_bwd(dtypes[dname], d).export_to_c(build_dir, prefix, prefix)
+        log(f"exported {prefix} in {time.time() - t0:.1f}s")
+        prefixes.append(prefix)
     return prefixes
 
 

@@ -1,4 +1,6 @@
-"""Sparse MLA (DSA) backward for sm_90a, written in CuTe DSL.
+"""Sparse MLA (DSA) backward for sm_90a (CuTe DSL), version 2; version 1 (scalar dkv atomics, no
+skipping of padded head groups) is in git history, commit 31e49c8. Launched by
+ffi/sparse_mla_bwd.cc.
 
 Per row (b, t, h), with the forward's natural-log lse (sink excluded, -inf on dead rows) and the
 caller-prepared coef[..., 0] = c = 1 / (1 + exp(sink_h - lse)) and coef[..., 1] = D' =
@@ -11,32 +13,32 @@ c * rowsum(dO * o) - dlse:
     dkv[b, idx_j, :512]+= sum_h (c p~_j) dO_h
 
 Entry j of token t is valid when j < min(K, topk_length[b, t]) and 0 <= idx < S. Invalid entries
-are never read (their shared-memory rows are zero-filled) and never written (not even with an
-atomic add of zero).
+are never read (their shared-memory rows are zero-filled) and never written.
 
-Design (v1, warp-level tensor cores, mma.sync m16n8k16 with fp32 accumulation):
-  * grid = (T, ceil(H / 64), B): one CTA per (token, block of up to 64 heads); 256 threads =
-    2 groups of 4 warps; inside a group warp w owns head rows 16w .. 16w + 15 of every product.
-  * Q (64 x Dqk) and dO (64 x 512) are loaded once into shared memory (missing heads
-    zero-filled, never stored). The token's index list is processed in blocks of 64 gathered
-    KV rows (16-byte cp.async row gathers into one swizzled stage).
-  * Per block:
-      1. group g computes S and dP for the 32 KV columns 32g .. 32g + 31 (S = Q K^T over Dqk,
-         dP = dO V^T over 512), then P~ and dS in registers, and stores dS and c*P~ (dtype) to
-         shared memory (64 heads x 64 KV rows each).
-      2. dQ += dS K: group g accumulates dQ[:, 256g : 256g + 256] (128 fp32 registers per
-         thread); with Dqk = 576 group 1 also accumulates the 64 rope columns (32 more).
-      3. the next block's gather is issued (the KV stage is free once step 2 is done) and
-         overlaps step 4:
-      4. dKV for the block in 64-column chunks: chunk = scale * dS^T Q[:, chunk] +
-         (c P~)^T dO[:, chunk] (the latter on the first 512 columns only), A operands read
-         with transposing ldmatrix from the dS / P~ tiles; group g does chunks 4g .. 4g + 3,
-         group 0 also the rope chunk. Each valid KV row's values are added to dkv (fp32) with
-         red.global.add.f32.
-  * Epilogue: dQ * scale is staged through shared memory (the Q buffer) and stored with 16-byte
-    row stores for the existing heads only.
-  * Shared memory (Dqk = 576): Q 72 KB + dO 64 KB + KV 72 KB + dS 8 KB + P 8 KB + row table
-    0.5 KB = 224.5 KB, one CTA per SM.
+v2 keeps v1's proven skeleton (mma.sync m16n8k16, one CTA per (token, 64 heads), 256 threads =
+2 groups of 4 warps, Q / dO resident in smem, one 64-row KV stage whose refill overlaps the dKV
+step, 224.5 KB smem) and changes what v1 measured to be expensive:
+  1. dkv atomics: each dKV accumulator n8 tile is re-paired inside a quad with one butterfly
+     shuffle per value pair (lane 2i takes row r, lane 2i+1 row r+8, 4 consecutive columns
+     each) and added with one red.global.add.v4.f32 (16 B aligned: columns 8n + {0, 4}, row
+     strides 512 / 576 floats) -- 4x fewer RED instructions than v1's scalar ones, and every
+     32-byte L2 sector a RED touches is now fully used (v1's quad covered 4 x 4 B of 32 B per
+     instruction), i.e. half the L2 atomic sector operations. Rows with an invalid index issue
+     nothing (the shuffles are unconditional, the RED is predicated per thread on its row).
+  2. padded heads cost nothing in the MMAs: with hl = min(64, H - h0) live heads, a warp whose
+     16 head rows are all padding skips its S / dP / dQ MMAs, and the dKV MMAs (K dimension =
+     heads) run ceil(hl / 16) k-steps instead of 4 (H = 16: 1 of 4).
+  3. bf16: scale is folded into dS before it is rounded to 16 bits (dq and the dS^T Q half of
+     dkv are both scaled by it): no per-chunk rescale of the dKV accumulators, no epilogue
+     multiply. fp16 keeps v1's unscaled dS (range) and scales the fp32 accumulators.
+  4. the next block's indices are loaded at the top of the current block (register prefetch),
+     so the gather issued after the dQ step does not wait for an index load.
+
+Per block of 64 gathered rows (Dqk = 576): S 4.7 + dP 4.2 + dQ 4.7 + dKV 8.9 = 22.5 MFLOP for
+64 live heads; ldmatrix traffic about 1.8 MB per block per SM (the real limit of a 16-row-per-warp
+mma.sync design: ~14k clocks at 128 B/clock), the gather 72 KB, the dkv scatter 147 KB
+(36 864 fp32, 4 608 full 32-byte sectors).
+
 Inputs are flattened on the host side: q (B*T*H, Dqk), kv (B*S, Dqk), idx (B*T*K,),
 topk_length (B*T,), lse (B*T*H,), do (B*T*H, 512), coef (B*T*H*2,), dq (B*T*H, Dqk),
 dkv (B*S, Dqk) float32 (zero-filled by the caller). All row offsets are 64-bit.
@@ -46,6 +48,8 @@ import math
 
 import cutlass
 import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 import cuda.bindings.driver as cuda
@@ -57,6 +61,24 @@ LOG2_E = math.log2(math.e)
 GEMM_UNROLL = 2
 
 
+@dsl_user_op
+def red_add_v4_f32(ptr, a, b, c, d, *, loc=None, ip=None):
+    """red.global.add.v4.f32 [ptr], {a, b, c, d} (sm_90; ptr 16-byte aligned global memory)."""
+    addr = ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
+    vals = [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)]
+    llvm.inline_asm(
+        None,
+        [addr] + vals,
+        "red.relaxed.gpu.global.add.v4.f32 [$0], {$1, $2, $3, $4};",
+        "l,f,f,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
 class SparseMlaBwdSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512):
         assert d_v == 512 and d_qk in (512, 576)
@@ -64,6 +86,10 @@ class SparseMlaBwdSm90:
         self.d_qk = d_qk
         self.d_v = d_v
         self.rope = d_qk - d_v  # 0 or 64 extra columns (q/k only)
+        # Fold scale into dS before the 16-bit rounding only for bf16 (fp32's exponent range);
+        # fp16 keeps v1's unscaled dS (scale * dS would sink ~Dqk**0.5 times closer to fp16's
+        # subnormals) and applies scale to the fp32 accumulators as v1 does.
+        self.fold_scale = dtype is cutlass.BFloat16
         self.bm = 64  # head rows per CTA
         self.bn = 64  # gathered KV rows per block
         self.groups = 2
@@ -169,7 +195,8 @@ class SparseMlaBwdSm90:
 
     @cute.jit
     def _gemm(self, tiled_mma: cute.TiledMma, thr_mma: cute.ThrMma, acc: cute.Tensor,
-              sA: cute.Tensor, sB: cute.Tensor, s2r_A: cute.TiledCopy, s2r_B: cute.TiledCopy):
+              sA: cute.Tensor, sB: cute.Tensor, s2r_A: cute.TiledCopy, s2r_B: cute.TiledCopy,
+              n_k_dyn=None):
         """acc += sA sB^T with sA (M x K) and sB (N x K) in shared memory, both read with
         ldmatrix (s2r_A / s2r_B say whether transposed). The k-loop is a runtime loop (unrolled
         by 2) over one-k-step register fragments, which keeps the operand registers few."""
@@ -186,6 +213,8 @@ class SparseMlaBwdSm90:
         # One ldmatrix copy step of A and of B per MMA k-step.
         assert n_k == cute.size(tCsB.shape[2]) == cute.size(tCrA_f.shape[2])
         assert n_k == cute.size(tCrB_f.shape[2])
+        if cutlass.const_expr(n_k_dyn is not None):
+            n_k = n_k_dyn  # runtime k-step count (<= the static one): skipped padded heads
         for k in cutlass.range(n_k, unroll=GEMM_UNROLL):
             cute.copy(s2r_A, tCsA[None, None, k], tCrA_v)
             cute.copy(s2r_B, tCsB[None, None, k], tCrB_v)
@@ -207,17 +236,23 @@ class SparseMlaBwdSm90:
                 self._chunk(sDst, crow, c).fill(0)
 
     @cute.jit
-    def _load_block(self, mKV: cute.Tensor, mIdx: cute.Tensor, sRow: cute.Tensor,
-                    sKV: cute.Tensor, cp_atom: cute.CopyAtom,
-                    blk: cutlass.Int32, slot: cutlass.Int32, k_eff: cutlass.Int32,
-                    S: cutlass.Int32, idx_base: cutlass.Int64, kv_batch: cutlass.Int64,
-                    crow: cutlass.Int32, csub: cutlass.Int32):
-        """Gather the 64 KV rows of block `blk`. sRow[slot * 64 + r] gets the row's index in
-        kv[b] or -1 when the entry is invalid (its smem row is then zero-filled, never read)."""
+    def _fetch_idx(self, mIdx: cute.Tensor, blk, k_eff: cutlass.Int32,
+                   idx_base: cutlass.Int64, crow: cutlass.Int32) -> cutlass.Int32:
+        """The index of entry blk * 64 + crow, or -1 past the valid length (idx not read)."""
         j = blk * self.bn + crow
         row = cutlass.Int32(-1)
         if j < k_eff:
             row = mIdx[idx_base + cutlass.Int64(j)]
+        return row
+
+    @cute.jit
+    def _load_block(self, mKV: cute.Tensor, sRow: cute.Tensor, sKV: cute.Tensor,
+                    cp_atom: cute.CopyAtom, row: cutlass.Int32, slot: cutlass.Int32,
+                    S: cutlass.Int32, kv_batch: cutlass.Int64,
+                    crow: cutlass.Int32, csub: cutlass.Int32):
+        """Gather one block's KV row `row` (from _fetch_idx) into stage row crow.
+        sRow[slot * 64 + crow] gets the row's index in kv[b] or -1 when the entry is invalid
+        (its smem row is then zero-filled, never read from global memory)."""
         ok = row >= 0 and row < S
         if csub == 0:
             sRow[slot * self.bn + crow] = row if ok else cutlass.Int32(-1)
@@ -292,8 +327,8 @@ class SparseMlaBwdSm90:
         idx_base = bt * cutlass.Int64(K)
         kv_batch = cutlass.Int64(b) * cutlass.Int64(S)
         if n_blocks > 0:
-            self._load_block(mKV, mIdx, sRow, sKV, cp_atom, 0, 0, k_eff, S, idx_base,
-                             kv_batch, crow, csub)
+            row0 = self._fetch_idx(mIdx, 0, k_eff, idx_base, crow)
+            self._load_block(mKV, sRow, sKV, cp_atom, row0, 0, S, kv_batch, crow, csub)
         cute.arch.cp_async_commit_group()
 
         # ---- MMA set-up -----------------------------------------------------------------
@@ -353,9 +388,23 @@ class SparseMlaBwdSm90:
             row_c[r] = cc
             row_d[r] = dd
 
+        # Live heads of this CTA and which of this group's warps own at least one of them
+        # (warp w of a group owns head rows 16 w .. 16 w + 15 of S / dP / dQ). Padded heads
+        # (rows >= hl) have zero Q / dO and p~ = 0, so their dS / P rows are zero; warps with
+        # only padded rows skip their MMAs, and the dKV MMAs (K = heads) stop at kh k-steps.
+        hl = cutlass.min(H - h0, bm)
+        kh = (hl + 15) // 16
+        warp_live = (gtid // 32) * 16 < hl
+        # dKV stores: lane 2i keeps row r of a quad pair, lane 2i + 1 row r + 8 (see _dkv_chunk).
+        odd = (gtid % 2) == 1
+        kr_mine = cutlass.Int32(cutlass.select_(odd, tCcC[1, 0][0], tCcC[0, 0][0]))
+
         # ---- main loop --------------------------------------------------------------------
         for blk in range(n_blocks):
             slot = blk % 2
+            # Index of the next block's row crow, loaded now so that the gather issued after
+            # the dQ step does not wait for it.
+            nxt_row = self._fetch_idx(mIdx, blk + 1, k_eff, idx_base, crow)
             cute.arch.cp_async_wait_group(0)
             # Block blk is in sKV / sRow[slot]; the previous block's dKV step is done with
             # sDS / sP.
@@ -364,10 +413,11 @@ class SparseMlaBwdSm90:
             # 1. S and dP for KV columns 32 grp .. 32 grp + 31.
             acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((bm, hn)), cutlass.Float32)
             acc_S.fill(0.0)
-            self._gemm(tiled_mma, thr_mma, acc_S, sQ, sK_g, s2r_A, s2r_B)
             acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C((bm, hn)), cutlass.Float32)
             acc_dP.fill(0.0)
-            self._gemm(tiled_mma, thr_mma, acc_dP, sDO, sV_g, s2r_A, s2r_B)
+            if warp_live:
+                self._gemm(tiled_mma, thr_mma, acc_S, sQ, sK_g, s2r_A, s2r_B)
+                self._gemm(tiled_mma, thr_mma, acc_dP, sDO, sV_g, s2r_A, s2r_B)
 
             S_mn = self._mn_view(acc_S)
             dP_mn = self._mn_view(acc_dP)
@@ -378,52 +428,59 @@ class SparseMlaBwdSm90:
                     p = cutlass.Float32(0.0)
                     if valid:
                         p = cute.math.exp2(S_mn[r, c] * scale_log2 - row_lse[r], fastmath=True)
+                    # bf16: scale folded into dS (dq and the dS^T Q half of dkv both carry it).
                     ds = p * (row_c[r] * dP_mn[r, c] - row_d[r])
+                    if cutlass.const_expr(self.fold_scale):
+                        ds = (p * scale) * (row_c[r] * dP_mn[r, c] - row_d[r])
                     row = tScS[r, c][0]
                     sDS[row, kvc] = ds.to(self.dtype)
                     sP[row, kvc] = (row_c[r] * p).to(self.dtype)
             cute.arch.sync_threads()
 
             # 2. dQ += dS K (this group's 256 columns; group 1 also the rope columns).
-            self._gemm(tiled_mma, thr_mma, acc_dQ, sDS, sKt_g, s2r_A, s2r_Bt)
-            if cutlass.const_expr(self.rope > 0):
-                if grp == 1:
-                    self._gemm(tiled_mma, thr_mma, acc_dQr, sDS, sKt_r, s2r_A, s2r_Bt)
+            if warp_live:
+                self._gemm(tiled_mma, thr_mma, acc_dQ, sDS, sKt_g, s2r_A, s2r_Bt)
+                if cutlass.const_expr(self.rope > 0):
+                    if grp == 1:
+                        self._gemm(tiled_mma, thr_mma, acc_dQr, sDS, sKt_r, s2r_A, s2r_Bt)
             # Everyone is done with the KV stage.
             cute.arch.sync_threads()
 
             # 3. Gather the next block; it lands while the dKV step below runs.
             if blk + 1 < n_blocks:
-                self._load_block(mKV, mIdx, sRow, sKV, cp_atom, blk + 1, 1 - slot, k_eff, S,
-                                 idx_base, kv_batch, crow, csub)
+                self._load_block(mKV, sRow, sKV, cp_atom, nxt_row, 1 - slot, S, kv_batch,
+                                 crow, csub)
             cute.arch.cp_async_commit_group()
 
             # 4. dKV for this block, 64 columns at a time.
             for i in cutlass.range_constexpr(self.n_col_chunks_g):
                 ch = grp * self.n_col_chunks_g + i
                 self._dkv_chunk(tiled_mma, thr_mma, s2r_At, s2r_Bt, sDSt, sPt,
-                                q_base, do_base, sT_layout, ch, True, scale,
-                                mDKV, sRow, slot, kv_batch, tCcC)
+                                q_base, do_base, sT_layout, ch, True, kh, scale,
+                                mDKV, sRow, slot, kv_batch, tCcC, odd, kr_mine)
             if cutlass.const_expr(self.rope > 0):
                 if grp == 0:
                     self._dkv_chunk(tiled_mma, thr_mma, s2r_At, s2r_Bt, sDSt, sPt,
-                                    q_base, do_base, sT_layout, d_v // 64, False, scale,
-                                    mDKV, sRow, slot, kv_batch, tCcC)
+                                    q_base, do_base, sT_layout, d_v // 64, False, kh, scale,
+                                    mDKV, sRow, slot, kv_batch, tCcC, odd, kr_mine)
 
-        # ---- epilogue: dQ = scale * acc, staged through the Q buffer ---------------------
+        # ---- epilogue: dQ = acc (bf16: scale already in dS), staged through the Q buffer --
+        dq_scale = cutlass.Float32(1.0)
+        if cutlass.const_expr(not self.fold_scale):
+            dq_scale = scale
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
         r2s = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), tiled_mma
         ).get_slice(gtid)
         rdQ = cute.make_fragment_like(acc_dQ, self.dtype)
-        rdQ.store((acc_dQ.load() * scale).to(self.dtype))
+        rdQ.store((acc_dQ.load() * dq_scale).to(self.dtype))
         sdQ_g = self._at(q_base, sHalf_layout, grp * (bm * self.dv_g))
         cute.copy(r2s, r2s.retile(rdQ), r2s.partition_D(sdQ_g))
         if cutlass.const_expr(self.rope > 0):
             if grp == 1:
                 rdQr = cute.make_fragment_like(acc_dQr, self.dtype)
-                rdQr.store((acc_dQr.load() * scale).to(self.dtype))
+                rdQr.store((acc_dQr.load() * dq_scale).to(self.dtype))
                 sdQ_r = self._at(q_base, sT_layout, bm * d_v)
                 cute.copy(r2s, r2s.retile(rdQr), r2s.partition_D(sdQ_r))
         cute.arch.sync_threads()
@@ -440,31 +497,49 @@ class SparseMlaBwdSm90:
     def _dkv_chunk(self, tiled_mma: cute.TiledMma, thr_mma, s2r_At, s2r_Bt,
                    sDSt: cute.Tensor, sPt: cute.Tensor, q_base, do_base,
                    sT_layout: cute.ComposedLayout, ch: cutlass.Int32,
-                   with_do: cutlass.Constexpr, scale: cutlass.Float32,
+                   with_do: cutlass.Constexpr, kh: cutlass.Int32, scale: cutlass.Float32,
                    mDKV: cute.Tensor, sRow: cute.Tensor, slot: cutlass.Int32,
-                   kv_batch: cutlass.Int64, tCcC: cute.Tensor):
-        """dkv[rows of this block, 64 ch : 64 ch + 64] += scale dS^T Q[:, chunk]
-        (+ (c P~)^T dO[:, chunk] when with_do), valid rows only."""
+                   kv_batch: cutlass.Int64, tCcC: cute.Tensor, odd: cutlass.Boolean,
+                   kr_mine: cutlass.Int32):
+        """dkv[rows of this block, 64 ch : 64 ch + 64] += (scale dS)^T Q[:, chunk]
+        (+ (c P~)^T dO[:, chunk] when with_do), over the first kh 16-head k-steps only,
+        valid rows only, with 16-byte vector atomics."""
         bm, bn = self.bm, self.bn
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((bn, 64)), cutlass.Float32)
         acc.fill(0.0)
         sQt = self._t(self._at(q_base, sT_layout, ch * (bm * 64)), bm, 64)
-        self._gemm(tiled_mma, thr_mma, acc, sDSt, sQt, s2r_At, s2r_Bt)
-        acc.store(acc.load() * scale)
+        self._gemm(tiled_mma, thr_mma, acc, sDSt, sQt, s2r_At, s2r_Bt, kh)
+        if cutlass.const_expr(not self.fold_scale):
+            acc.store(acc.load() * scale)  # fp16: dS is stored unscaled
         if cutlass.const_expr(with_do):
             sDOt = self._t(self._at(do_base, sT_layout, ch * (bm * 64)), bm, 64)
-            self._gemm(tiled_mma, thr_mma, acc, sPt, sDOt, s2r_At, s2r_Bt)
+            self._gemm(tiled_mma, thr_mma, acc, sPt, sDOt, s2r_At, s2r_Bt, kh)
         acc_mn = self._mn_view(acc)
-        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-            kr = tCcC[r, 0][0]
-            row = sRow[slot * bn + kr]
+        # m16n8 accumulator: lane l holds rows r = l // 4 and r + 8, columns 8 n + 2 (l % 4)
+        # + {0, 1}. One butterfly shuffle (xor 1) per value pair gives lane 2i row r, columns
+        # 8 n + 4 (i % 2) .. + 3, and lane 2i + 1 row r + 8, the same columns.
+        assert cute.size(acc_mn, mode=[0]) == 2 and cute.size(acc_mn, mode=[1]) == 16
+        row = sRow[slot * bn + kr_mine]
+        g_row = (kv_batch + cutlass.Int64(row)) * cutlass.Int64(self.d_qk) + \
+            cutlass.Int64(ch * 64)
+        for n in cutlass.range_constexpr(8):
+            a00 = acc_mn[0, 2 * n]
+            a01 = acc_mn[0, 2 * n + 1]
+            a10 = acc_mn[1, 2 * n]
+            a11 = acc_mn[1, 2 * n + 1]
+            # even lanes send their row r + 8 pair, odd lanes their row r pair
+            s0 = cutlass.Float32(cutlass.select_(odd, a00, a10))
+            s1 = cutlass.Float32(cutlass.select_(odd, a01, a11))
+            r0 = cute.arch.shuffle_sync_bfly(s0, offset=1)
+            r1 = cute.arch.shuffle_sync_bfly(s1, offset=1)
+            v0 = cutlass.Float32(cutlass.select_(odd, r0, a00))
+            v1 = cutlass.Float32(cutlass.select_(odd, r1, a01))
+            v2 = cutlass.Float32(cutlass.select_(odd, a10, r0))
+            v3 = cutlass.Float32(cutlass.select_(odd, a11, r1))
+            # first column of the 4: own column for even lanes, the partner's for odd ones
+            col = tCcC[0, 2 * n][1] - cutlass.select_(odd, cutlass.Int32(2), cutlass.Int32(0))
             if row >= 0:
-                g_off = (kv_batch + cutlass.Int64(row)) * cutlass.Int64(self.d_qk) + \
-                    cutlass.Int64(ch * 64)
-                for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                    col = tCcC[r, c][1]
-                    cute.arch.red(mDKV.iterator + (g_off + cutlass.Int64(col)), acc_mn[r, c],
-                                  op="add", dtype="f32", sem="relaxed", scope="gpu")
+                red_add_v4_f32(mDKV.iterator + (g_row + cutlass.Int64(col)), v0, v1, v2, v3)
 
 
 # -------------------------------------------------------------------- AOT compile entry
