@@ -68,10 +68,15 @@ def param_spec(path, _):
           "attn": P("heads")}.get(name, P())
 
 
-def make_mesh(num_heads):
-  n = jax.device_count()
-  heads = 2 if n % 2 == 0 and num_heads % 2 == 0 else 1
-  return Mesh(np.array(jax.devices()).reshape(n // heads, heads), ("data", "heads"))
+def make_mesh(num_heads, devices=None, heads=None):
+  """(data, heads) mesh over `devices` (default: all); heads = 2 when it divides, else 1."""
+  devices = list(jax.devices() if devices is None else devices)
+  n = len(devices)
+  if heads is None:
+    heads = 2 if n % 2 == 0 and num_heads % 2 == 0 else 1
+  if n % heads or num_heads % heads:
+    raise ValueError(f"{heads} head shards do not divide {n} devices and {num_heads} heads")
+  return Mesh(np.array(devices).reshape(n // heads, heads), ("data", "heads"))
 
 
 def make_data(key, batch, tokens, d_model):
@@ -82,13 +87,14 @@ def make_data(key, batch, tokens, d_model):
   return x, y
 
 
-def train(mode, *, steps=8, batch=8, tokens=32, d_model=64, num_heads=8, head_dim=32, d_v=16,
-          window=8, ratio=4, dtype=jnp.float32, lr=1e-2, seed=0, verbose=True,
-          implementation=None):
+def build(mode, *, batch=8, tokens=32, d_model=64, num_heads=8, head_dim=32, d_v=16, window=8,
+          ratio=4, dtype=jnp.float32, seed=0, implementation=None, devices=None,
+          head_shards=None):
+  """The model's sharded parameters, a batch, and loss_fn(state, x, y) for `mode`."""
   model = V4Attention(d_model, num_heads, head_dim, d_v, window, ratio, rngs=nnx.Rngs(seed),
                       dtype=dtype, implementation=implementation)
   graphdef, state = nnx.split(model)
-  mesh = make_mesh(num_heads)
+  mesh = make_mesh(num_heads, devices, head_shards)
   specs = jax.tree_util.tree_map_with_path(param_spec, state)
   state = jax.tree.map(lambda v, s: jax.device_put(v, NamedSharding(mesh, s)), state, specs)
   x, y = make_data(jax.random.key(seed + 1), batch, tokens, d_model)
@@ -110,7 +116,12 @@ def train(mode, *, steps=8, batch=8, tokens=32, d_model=64, num_heads=8, head_di
                         out_specs=P())
   else:
     raise ValueError(f"mode must be 'jit' or 'shard_map'; got {mode!r}")
+  return loss_fn, state, x, y, mesh
 
+
+def train(mode, *, steps=8, lr=1e-2, verbose=True, **model_kw):
+  """Adam steps on `mode`'s loss; returns the losses. model_kw: see build()."""
+  loss_fn, state, x, y, mesh = build(mode, **model_kw)
   opt = optax.adam(lr)
   opt_state = opt.init(state)
 
