@@ -55,7 +55,7 @@ def _chunked(chunk: int, *arrays):
       x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
     return jnp.moveaxis(x.reshape(x.shape[0], n, chunk, *x.shape[2:]), 1, 0)
 
-  return [split(x) for x in arrays], n, pad
+  return [split(x) for x in arrays], pad
 
 
 def _merge(x, pad):
@@ -90,7 +90,7 @@ def forward(q, kv, idx, topk_length, sink, *, scale: float, d_v: int, chunk: int
   s_rows = kv.shape[1]
   k = idx.shape[2]
   chunk = chunk or chunk_tokens(t, k, d, h)
-  (qc, ic, lc), _, pad = _chunked(chunk, q, idx, topk_length)
+  (qc, ic, lc), pad = _chunked(chunk, q, idx, topk_length)
   sink = sink.astype(jnp.float32)
 
   def one_chunk(args):
@@ -136,7 +136,7 @@ def backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale: float, d
   k = idx.shape[2]
   chunk = chunk or chunk_tokens(t, k, d, h)
   sink = sink.astype(jnp.float32)
-  (qc, ic, lc, oc, lsec, doc, dlsec), _, pad = _chunked(
+  (qc, ic, lc, oc, lsec, doc, dlsec), pad = _chunked(
       chunk, q, idx, topk_length, o, lse, do, dlse)
   # Rows that were padded on get valid=False through topk_length=0, so they scatter nothing.
 

@@ -1,4 +1,6 @@
 """The pure-JAX implementation (implementation="xla") against the float64 oracles."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -142,17 +144,12 @@ def test_jax_grad_agrees_with_autodiff_of_naive_dense_formulation():
     return jnp.sum(oracle.dense_forward(q, kv, counts, sink, p.scale, 32)[0] * w_o)
 
   def ours(q, kv, sink):
-    return jnp.sum(_run(dataclass_replace(p, q=q, kv=kv, sink=sink))[0] * w_o)
+    return jnp.sum(_run(dataclasses.replace(p, q=q, kv=kv, sink=sink))[0] * w_o)
 
   g_naive = jax.grad(naive, argnums=(0, 1, 2))(p.q, p.kv, p.sink)
   g_ours = jax.grad(ours, argnums=(0, 1, 2))(p.q, p.kv, p.sink)
   for a, b in zip(g_ours, g_naive):
     assert rel_err(a, b) < 1e-5
-
-
-def dataclass_replace(p, **kw):
-  import dataclasses
-  return dataclasses.replace(p, **kw)
 
 
 def test_three_dim_layout_equals_batch_of_one():

@@ -128,7 +128,7 @@ def main():
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--max-heads", type=int, default=128, help="skip cases with more heads")
     ap.add_argument("--time-heads", default="64,128", help="head counts timed at D=512")
-    ap.add_argument("--impl", default="mma", choices=IMPLS + ["all", "default"],
+    ap.add_argument("--impl", default="default", choices=IMPLS + ["all", "default"],
                     help="kernel variant (sets JAX_DSA_FWD_IMPL)")
     args = ap.parse_args()
     if args.impl == "all":
