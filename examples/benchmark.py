@@ -2,6 +2,9 @@
 
     python examples/benchmark.py [--quick] [--out DIR] [--impls cute,xla] [--passes fwd,fwdbwd]
 
+--impls takes cute (the kernels), cute-det (the kernels with deterministic=True, which only
+changes the backward) and xla (the reference).
+
 For each shape (DESIGN.md section 4: D = 512, window 128 + top-k, T = S = 4096 and the head
 counts of tensor-parallel shards) it prints the median time per call, TFLOP/s, TB/s, the
 compiled program's device memory (arguments + outputs + XLA temporaries) and the reference's
@@ -78,8 +81,12 @@ def device_bytes(fn, args):
 
 
 def make_fn(impl, passes):
+  deterministic = impl == "cute-det"
+  impl = "cute" if deterministic else impl
+
   def fwd(q, kv, idx, sink):
-    return jax_dsa.sparse_mla(q, kv, idx, sink=sink, return_lse=True, implementation=impl)
+    return jax_dsa.sparse_mla(q, kv, idx, sink=sink, return_lse=True, implementation=impl,
+                              deterministic=deterministic)
 
   if passes == "fwd":
     return jax.jit(fwd)
@@ -104,9 +111,9 @@ def main(argv=None):
   args = parser.parse_args(argv)
 
   impls = args.impls.split(",")
-  if "cute" in impls and api.kernel_runtime_problem():
+  if api.kernel_runtime_problem() and any(i.startswith("cute") for i in impls):
     print(f"kernel unavailable: {api.kernel_runtime_problem()}; timing the reference only")
-    impls = [i for i in impls if i != "cute"]
+    impls = [i for i in impls if not i.startswith("cute")]
   shapes = [s for s in SHAPES if not args.quick or s[0] in QUICK]
   rows = []
   for label, h, topk in shapes:
@@ -124,7 +131,7 @@ def main(argv=None):
                          impl=impl, us=t * 1e6, tflops=flops / t / 1e12,
                          tbs=bytes_fwd / t / 1e12 if passes == "fwd" else float("nan"),
                          mem_mb=device_bytes(fn, (q, kv, idx, sink)) / 2**20))
-        print(f"{label:20s} {passes:6s} {impl:5s} {t * 1e6:10.1f} us {rows[-1]['tflops']:7.1f} "
+        print(f"{label:20s} {passes:6s} {impl:8s} {t * 1e6:10.1f} us {rows[-1]['tflops']:7.1f} "
               f"TFLOP/s {rows[-1]['tbs']:6.2f} TB/s {rows[-1]['mem_mb']:9.1f} MB", flush=True)
       if "xla" in times:
         for r in rows[-len(impls):]:

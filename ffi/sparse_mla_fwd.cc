@@ -5,34 +5,19 @@
 // The kernels take flattened row-major views, so this file only checks the buffers, fills the
 // exported tensor structs ({data, dynamic_shapes}) and launches on XLA's stream.
 
-#include <cuda_runtime.h>
+#include "common.h"  // first: defines the loaders' error hook
 
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
 #include <string>
 
-// Module loading in the exported headers reports CUDA errors through this macro; record the
-// first one instead of printing it so that it can be returned as an ffi::Error.
-namespace jax_dsa {
-inline cudaError_t g_load_error = cudaSuccess;
-}
-#define CUTE_DSL_CUDA_ERROR_CHECK(err)                                         \
-  {                                                                            \
-    cudaError_t e_ = (err);                                                    \
-    if (e_ != cudaSuccess && jax_dsa::g_load_error == cudaSuccess)             \
-      jax_dsa::g_load_error = e_;                                              \
-  }
-
 #include "jax_dsa_kernels.h"  // generated: includes every exported header
-#include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace jax_dsa {
 namespace {
-
-constexpr int64_t kDv = 512;
 
 // Kernel launch arguments in the kernels' flattened form.
 struct FwdArgs {
@@ -82,15 +67,15 @@ cudaError_t LoadAll() {
     JAX_DSA_FWD_SPECS(JAX_DSA_FWD_LOAD)
 #undef JAX_DSA_FWD_LOAD
     if (have_prev) cudaSetDevice(prev);
-    g_load_status = g_load_error;
+    g_load_status = LoadError();
     cudaGetLastError();  // loading errors are reported through g_load_status
   });
   return g_load_status;
 }
 
 // Kernel variant. By default H <= 32 (tensor-parallel shards) runs the small-H kernel (heads on
-// wgmma's N side) and larger H the Hopper wgmma kernel. JAX_DSA_FWD_IMPL (read once) forces one
-// variant for every H: wgmma, mma (mma.sync), wgmmasplit, ws (warp-specialized), smallh (H <= 32
+// wgmma's N side) and larger H the warp-specialized wgmma kernel (ws). JAX_DSA_FWD_IMPL (read
+// once) forces one variant for every H: ws, wgmma, mma (mma.sync), wgmmasplit, smallh (H <= 32
 // only) or simt (plain cross-check). Export prefix: jax_dsa_fwd<tag>_<dtype>_d<Dqk>, where mma
 // has the empty tag.
 constexpr int64_t kSmallHeads = 32;
@@ -105,7 +90,7 @@ const std::string& ForcedImpl() {
 
 std::string FwdTag(int64_t heads) {
   const std::string& forced = ForcedImpl();
-  if (forced.empty() || forced == "default") return heads <= kSmallHeads ? "smallh" : "wgmma";
+  if (forced.empty() || forced == "default") return heads <= kSmallHeads ? "smallh" : "ws";
   return forced == "mma" ? std::string() : forced;
 }
 
@@ -119,12 +104,6 @@ LaunchFn FindFwd(const std::string& tag, bool bf16, int64_t d_qk) {
   return nullptr;
 }
 
-std::string Dims(ffi::AnyBuffer::Dimensions d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
-
 ffi::Error SparseMlaFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                         ffi::AnyBuffer kv, ffi::AnyBuffer idx,
                         ffi::AnyBuffer topk_length, ffi::AnyBuffer sink, float scale,
@@ -133,41 +112,19 @@ ffi::Error SparseMlaFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
   auto err = [](const std::string& m) {
     return ffi::Error::InvalidArgument("jax_dsa sparse_mla_fwd: " + m);
   };
-  auto qd = q.dimensions(), kd = kv.dimensions(), id = idx.dimensions();
-  auto ld = topk_length.dimensions(), sd = sink.dimensions();
-  auto od = o->dimensions(), lsd = lse->dimensions();
-  if (qd.size() != 4) return err("q must be [B, T, H, Dqk], got " + Dims(qd));
-  const int64_t B = qd[0], T = qd[1], H = qd[2], D = qd[3];
+  Extents x{};
+  std::string problem = CheckInputs(q, kv, idx, topk_length, &x);
+  if (!problem.empty()) return err(problem);
+  const int64_t B = x.B, T = x.T, H = x.H, D = x.D, S = x.S, K = x.K;
   const auto dt = q.element_type();
-  if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16)
-    return err("q must be bfloat16 or float16");
-  if (kv.element_type() != dt) return err("kv must have the dtype of q");
-  if (idx.element_type() != ffi::DataType::S32) return err("idx must be int32");
-  if (topk_length.element_type() != ffi::DataType::S32)
-    return err("topk_length must be int32");
   if (sink.element_type() != ffi::DataType::F32) return err("sink must be float32");
   if (o->element_type() != dt) return err("o must have the dtype of q");
   if (lse->element_type() != ffi::DataType::F32) return err("lse must be float32");
-  if (D != 512 && D != 576) return err("Dqk must be 512 or 576, got " + std::to_string(D));
-  if (H < 1 || H > 128) return err("H must be in 1..128, got " + std::to_string(H));
-  if (kd.size() != 3 || kd[0] != B || kd[2] != D)
-    return err("kv must be [B, S, Dqk] = [" + std::to_string(B) + ", S, " +
-               std::to_string(D) + "], got " + Dims(kd));
-  const int64_t S = kd[1];
-  if (id.size() != 3 || id[0] != B || id[1] != T)
-    return err("idx must be [B, T, K], got " + Dims(id));
-  const int64_t K = id[2];
-  if (K < 1) return err("idx must have K >= 1");
-  if (ld.size() != 2 || ld[0] != B || ld[1] != T)
-    return err("topk_length must be [B, T], got " + Dims(ld));
-  if (sd.size() != 1 || sd[0] != H) return err("sink must be [H], got " + Dims(sd));
-  if (od.size() != 4 || od[0] != B || od[1] != T || od[2] != H || od[3] != kDv)
-    return err("o must be [B, T, H, 512], got " + Dims(od));
-  if (lsd.size() != 3 || lsd[0] != B || lsd[1] != T || lsd[2] != H)
-    return err("lse must be [B, T, H], got " + Dims(lsd));
-  // Kernel scalars are int32; T is the grid's x extent, B its z extent (<= 65535).
-  if (T > INT32_MAX || S > INT32_MAX || K > INT32_MAX || B > 65535)
-    return err("B must be <= 65535 and T, S, K < 2^31");
+  if (!HasDims(sink.dimensions(), {H})) return err("sink must be [H], got " + Dims(sink.dimensions()));
+  if (!HasDims(o->dimensions(), {B, T, H, kDv}))
+    return err("o must be [B, T, H, 512], got " + Dims(o->dimensions()));
+  if (!HasDims(lse->dimensions(), {B, T, H}))
+    return err("lse must be [B, T, H], got " + Dims(lse->dimensions()));
   if (B == 0 || T == 0) return ffi::Error::Success();
 
   const std::string tag = FwdTag(H);
@@ -178,16 +135,12 @@ ffi::Error SparseMlaFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
     return ffi::Error::Internal("jax_dsa sparse_mla_fwd: no kernel jax_dsa_fwd" + tag +
                                 " was built for this dtype/Dqk");
 
-  int prev = -1;
-  if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
-  if (prev != device && cudaSetDevice(device) != cudaSuccess)
-    return ffi::Error::Internal("jax_dsa sparse_mla_fwd: cudaSetDevice failed");
+  DeviceGuard guard(device);
+  if (!guard.ok()) return ffi::Error::Internal("jax_dsa sparse_mla_fwd: cudaSetDevice failed");
   cudaError_t le = LoadAll();
-  if (le != cudaSuccess) {
-    if (prev >= 0 && prev != device) cudaSetDevice(prev);
+  if (le != cudaSuccess)
     return ffi::Error::Internal(std::string("jax_dsa: loading the kernels failed: ") +
                                 cudaGetErrorString(le));
-  }
 
   if (poison) {  // tests: all-ones bytes are NaN in bf16, f16 and f32, so unwritten outputs show
     cudaMemsetAsync(o->untyped_data(), 0xFF, o->size_bytes(), stream);
@@ -214,18 +167,7 @@ ffi::Error SparseMlaFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
   a.K = static_cast<int32_t>(K);
   a.scale = scale;
 
-  int32_t rc = launch(a, stream);
-  cudaError_t ce = cudaGetLastError();
-  if (prev >= 0 && prev != device) cudaSetDevice(prev);
-  if (rc != 0)
-    return ffi::Error::Internal("jax_dsa sparse_mla_fwd: kernel wrapper returned " +
-                                std::to_string(rc) +
-                                (ce != cudaSuccess ? std::string(" (") + cudaGetErrorString(ce) + ")"
-                                                   : std::string()));
-  if (ce != cudaSuccess)
-    return ffi::Error::Internal(std::string("jax_dsa sparse_mla_fwd: launch failed: ") +
-                                cudaGetErrorString(ce));
-  return ffi::Error::Success();
+  return LaunchStatus("sparse_mla_fwd", launch(a, stream));
 }
 
 }  // namespace

@@ -32,27 +32,29 @@ def _local_forward(q, kv, idx, topk_length, sink, *, scale, d_v, impl):
   return lax.platform_dependent(*args, cuda=kernel, default=ref)
 
 
-def _kernel_backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale):
+def _kernel_backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale, deterministic):
   """Per-row terms in plain JAX (XLA fuses them), dq and dkv on the Hopper kernel."""
   from jax_dsa import _native
   c, sink_share = reference.sink_split(sink[None, None, :], lse)
   delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
   # dS_j = p~_j * (c * dP_j - (c * Delta - dlse)): the kernel needs c and that shift per row.
   coef = jnp.stack([c, c * delta - dlse], axis=-1)
-  dq, dkv = _native.sparse_mla_bwd(q, kv, idx, topk_length, lse, do, coef, scale=scale)
+  bwd = _native.sparse_mla_bwd_deterministic if deterministic else _native.sparse_mla_bwd
+  dq, dkv = bwd(q, kv, idx, topk_length, lse, do, coef, scale=scale)
   dsink = jnp.where(jnp.isneginf(sink)[None, :], 0.0, -jnp.sum(sink_share * delta, axis=1))
   return dq, dkv, dsink
 
 
-def _local_backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale, d_v, impl):
+def _local_backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale, d_v, impl,
+                    deterministic):
   def ref(*args):
-    return reference.backward(*args, scale=scale, d_v=d_v)
+    return reference.backward(*args, scale=scale, d_v=d_v, deterministic=deterministic)
 
   def kernel(*args):
-    return _kernel_backward(*args, scale=scale)
+    return _kernel_backward(*args, scale=scale, deterministic=deterministic)
 
   args = (q, kv, idx, topk_length, sink, o, lse, do, dlse)
-  if impl == "xla" or not _backward_kernel_built():
+  if impl == "xla" or not _backward_kernel_built(deterministic):
     return ref(*args)
   if impl == "cute":
     return kernel(*args)
@@ -60,39 +62,41 @@ def _local_backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale, d
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_kernel_built() -> bool:
-  """Until the backward kernel ships in the library, every implementation differentiates with
-  the reference formulas (they need only the forward's o and lse)."""
+def _backward_kernel_built(deterministic: bool = False) -> bool:
+  """A library built without the backward kernels (or without the deterministic one) leaves
+  every implementation differentiating with the reference formulas (they need only the
+  forward's o and lse)."""
   try:
     from jax_dsa import _native
   except ImportError:
     return False
-  return hasattr(_native, "sparse_mla_bwd") and _native.has_backward()
+  return hasattr(_native, "sparse_mla_bwd") and _native.has_backward(deterministic)
 
 
 @functools.lru_cache(maxsize=None)
-def _ops(scale: float, d_v: int, impl: str):
+def _ops(scale: float, d_v: int, impl: str, deterministic: bool):
+  local_bwd = functools.partial(_local_backward, deterministic=deterministic)
   return (sharding.make_forward(_local_forward, scale, d_v, impl),
-          sharding.make_backward(_local_backward, scale, d_v, impl))
+          sharding.make_backward(local_bwd, scale, d_v, impl))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def attention(q, kv, idx, topk_length, sink, scale, d_v, impl):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def attention(q, kv, idx, topk_length, sink, scale, d_v, impl, deterministic):
   """(o [B, T, H, d_v], lse [B, T, H] float32); differentiable in q, kv and sink."""
-  fwd, _ = _ops(scale, d_v, impl)
+  fwd, _ = _ops(scale, d_v, impl, deterministic)
   return fwd(q, kv, idx, topk_length, sink)
 
 
-def _attention_fwd(q, kv, idx, topk_length, sink, scale, d_v, impl):
-  fwd, _ = _ops(scale, d_v, impl)
+def _attention_fwd(q, kv, idx, topk_length, sink, scale, d_v, impl, deterministic):
+  fwd, _ = _ops(scale, d_v, impl, deterministic)
   o, lse = fwd(q, kv, idx, topk_length, sink)
   return (o, lse), (q, kv, idx, topk_length, sink, o, lse)
 
 
-def _attention_bwd(scale, d_v, impl, residuals, cotangents):
+def _attention_bwd(scale, d_v, impl, deterministic, residuals, cotangents):
   q, kv, idx, topk_length, sink, o, lse = residuals
   do, dlse = cotangents
-  _, bwd = _ops(scale, d_v, impl)
+  _, bwd = _ops(scale, d_v, impl, deterministic)
   dq, dkv, dsink = bwd(q, kv, idx, topk_length, sink, o, lse, do.astype(o.dtype),
                        dlse.astype(jnp.float32))
   return dq, dkv.astype(kv.dtype), None, None, jnp.sum(dsink, axis=0)

@@ -19,6 +19,7 @@ import numpy as np
 LIB_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib", "libjax_dsa_sm90.so")
 FWD_TARGET = "jax_dsa_sparse_mla_fwd_sm90"
 BWD_TARGET = "jax_dsa_sparse_mla_bwd_sm90"
+BWD_DET_TARGET = "jax_dsa_sparse_mla_bwd_deterministic_sm90"
 D_V = 512
 
 _lock = threading.Lock()
@@ -68,6 +69,12 @@ def load():
             if hasattr(lib, "JaxDsaSparseMlaBwdSm90"):
                 jax.ffi.register_ffi_target(
                     BWD_TARGET, jax.ffi.pycapsule(lib.JaxDsaSparseMlaBwdSm90), platform="CUDA"
+                )
+            if hasattr(lib, "JaxDsaSparseMlaBwdDeterministicSm90"):
+                jax.ffi.register_ffi_target(
+                    BWD_DET_TARGET,
+                    jax.ffi.pycapsule(lib.JaxDsaSparseMlaBwdDeterministicSm90),
+                    platform="CUDA",
                 )
             _registered = True
     return lib
@@ -128,12 +135,15 @@ def sparse_mla_fwd(q, kv, idx, topk_length, sink, scale, poison_outputs=False):
     )
 
 
-def has_backward() -> bool:
-    """True when the library was built with the backward kernels. Never raises."""
+def has_backward(deterministic: bool = False) -> bool:
+    """True when the library was built with the backward kernels (with the deterministic
+    variant when asked). Never raises."""
     try:
         with _lock:
             lib = _open()
         if lib is None or not hasattr(lib, "JaxDsaBwdNumKernels"):
+            return False
+        if deterministic and not hasattr(lib, "JaxDsaSparseMlaBwdDeterministicSm90"):
             return False
         lib.JaxDsaBwdNumKernels.restype = ctypes.c_int
         return lib.JaxDsaBwdNumKernels() > 0
@@ -171,3 +181,94 @@ def sparse_mla_bwd(q, kv, idx, topk_length, lse, do, coef, scale):
         jnp.asarray(coef, jnp.float32),
         scale=np.float32(scale),
     )
+
+
+# ---------------------------------------------------------------- deterministic backward
+# Workspace of the deterministic backward: one fp32 row of Dqk per (entry, 64-head block) for a
+# chunk of tokens; the chunk is sized to stay within this many bytes (rounded down to whole
+# waves of 132 CTAs when that leaves at least one wave).
+DET_WORKSPACE_BYTES = 512 << 20
+_SM_COUNT = 132
+_NO_ROW = np.iinfo(np.int32).max  # sort key of invalid entries: after every kv row
+
+
+def det_chunk_tokens(n_tok: int, k: int, d_qk: int, heads: int, budget: int | None = None) -> int:
+    """Tokens per chunk of the deterministic backward (static: shapes only); the workspace
+    budget defaults to DET_WORKSPACE_BYTES, read at trace time."""
+    budget = DET_WORKSPACE_BYTES if budget is None else budget
+    per_token = k * (-(-heads // 64)) * d_qk * 4
+    tc = max(1, budget // per_token)
+    if tc >= _SM_COUNT:
+        tc -= tc % _SM_COUNT
+    return int(max(1, min(tc, n_tok)))
+
+
+def det_entry_order(idx, topk_length, num_kv_rows: int, chunk: int):
+    """Per chunk of `chunk` tokens, the entries sorted by destination kv row (stable).
+
+    Returns int32 arrays of n_chunks * chunk * K elements (chunk-major): order (the entry's id
+    within its chunk, (bt - t_begin) * K + j), seg_end (one past the end of the run of equal rows
+    at a run's first position, 0 elsewhere and for invalid entries) and rows (b * S + idx).
+    """
+    from jax import lax
+
+    from jax_dsa.reference import valid_mask
+
+    B, T, K = idx.shape
+    valid = valid_mask(idx, topk_length, num_kv_rows)
+    base = (jnp.arange(B, dtype=jnp.int32) * num_kv_rows)[:, None, None]
+    rows = jnp.where(valid, idx + base, _NO_ROW).reshape(-1)
+    n_chunks = -(-(B * T) // chunk)
+    width = chunk * K
+    rows = jnp.pad(rows, (0, n_chunks * width - rows.size), constant_values=_NO_ROW)
+    rows = rows.reshape(n_chunks, width)
+    local = lax.broadcasted_iota(jnp.int32, rows.shape, 1)
+    rows, order = lax.sort((rows, local), dimension=1, num_keys=1, is_stable=True)
+    start = jnp.concatenate(
+        [jnp.ones((n_chunks, 1), bool), rows[:, 1:] != rows[:, :-1]], axis=1)
+    # One past the end of each run: the next run start to the right (width after the last).
+    next_start = lax.cummin(jnp.where(start, local, width), axis=1, reverse=True)
+    end = jnp.concatenate(
+        [next_start[:, 1:], jnp.full((n_chunks, 1), width, jnp.int32)], axis=1)
+    seg_end = jnp.where(start & (rows != _NO_ROW), end, 0)
+    return order.reshape(-1), seg_end.reshape(-1), rows.reshape(-1)
+
+
+def sparse_mla_bwd_deterministic(q, kv, idx, topk_length, lse, do, coef, scale):
+    """sparse_mla_bwd with a bitwise reproducible dkv: no float atomics (see
+    jax_dsa/kernels/sm90/sparse_mla_dkv_reduce.py). Same arguments and results."""
+    lib = load()
+    if any(d.platform == "gpu" for d in jax.devices()):
+        _ensure_modules_loaded(lib)
+    B, T, H, D = q.shape
+    S = kv.shape[1]
+    K = idx.shape[2]
+    if B * S >= _NO_ROW:
+        raise ValueError(f"deterministic=True needs B * S < 2^31 - 1; got B={B}, S={S}")
+    chunk = det_chunk_tokens(B * T, K, D, H)
+    order, seg_end, rows = det_entry_order(
+        jnp.asarray(idx, jnp.int32), jnp.asarray(topk_length, jnp.int32), S, chunk)
+    n_hb = -(-H // 64)
+    call = jax.ffi.ffi_call(
+        BWD_DET_TARGET,
+        (
+            jax.ShapeDtypeStruct((B, T, H, D), q.dtype),
+            jax.ShapeDtypeStruct((B, S, D), jnp.float32),
+            jax.ShapeDtypeStruct((chunk * K * n_hb, D), jnp.float32),  # workspace
+        ),
+        vmap_method="sequential",
+    )
+    dq, dkv, _ = call(
+        q,
+        kv,
+        jnp.asarray(idx, jnp.int32),
+        jnp.asarray(topk_length, jnp.int32),
+        jnp.asarray(lse, jnp.float32),
+        do.astype(q.dtype),
+        jnp.asarray(coef, jnp.float32),
+        order,
+        seg_end,
+        rows,
+        scale=np.float32(scale),
+    )
+    return dq, dkv

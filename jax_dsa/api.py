@@ -17,7 +17,7 @@ KERNEL_MAX_HEADS = 128
 
 
 def sparse_mla(q, kv, idx, *, scale=None, sink=None, topk_length=None, d_v=512,
-               return_lse=False, implementation=None):
+               return_lse=False, implementation=None, deterministic=False):
   """DeepSeek sparse attention (sparse MLA): each query token attends to its own K rows of kv.
 
   Args:
@@ -36,6 +36,10 @@ def sparse_mla(q, kv, idx, *, scale=None, sink=None, topk_length=None, d_v=512,
     implementation: None (the Hopper kernel when the arrays are on an sm_90 GPU and the shape is
       supported, otherwise the pure-JAX reference), "xla" (always the reference) or "cute"
       (always the kernel; raises where it cannot run).
+    deterministic: make the gradients bitwise reproducible run to run. The default backward
+      kernel adds dkv contributions with fp32 atomics, whose order varies; with True it stores
+      them per entry and sums each kv row's contributions in a fixed order instead (slower:
+      see docs/performance.md). Forward results are reproducible either way.
 
   Returns:
     o [B, T, H, d_v] in q's dtype (zeros on a row with no valid entry), and lse if return_lse.
@@ -53,9 +57,11 @@ def sparse_mla(q, kv, idx, *, scale=None, sink=None, topk_length=None, d_v=512,
   topk_length = _check_topk_length(topk_length, b, t, k, unbatched)
   sink = _check_sink(sink, h)
   impl = _resolve_implementation(implementation, q, kv, d_v)
+  if not isinstance(deterministic, (bool, np.bool_)):
+    raise TypeError(f"deterministic must be a Python bool; got {deterministic!r}")
 
   q, kv, idx, topk_length, sink = _same_variance(q, kv, idx, topk_length, sink)
-  o, lse = _core.attention(q, kv, idx, topk_length, sink, scale, d_v, impl)
+  o, lse = _core.attention(q, kv, idx, topk_length, sink, scale, d_v, impl, bool(deterministic))
   if unbatched:
     o, lse = o[0], lse[0]
   return (o, lse) if return_lse else o

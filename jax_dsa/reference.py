@@ -74,6 +74,27 @@ def _scatter_add_rows(acc, rows, updates):
                          mode=lax.GatherScatterMode.FILL_OR_DROP)
 
 
+def _scatter_add_rows_in_order(acc, rows, updates):
+  """_scatter_add_rows with a fixed fp32 summation order (deterministic=True): the slots are
+  sorted by row (stable), each run of equal rows is summed by a segmented scan (a fixed tree of
+  adds), and each distinct row then receives exactly one addition, so the order in which a
+  GPU's scatter atomics land cannot change the result."""
+  d = acc.shape[-1]
+  rows = rows.reshape(-1)
+  updates = updates.reshape(-1, d)
+  order = jnp.argsort(rows, stable=True)
+  rows, updates = rows[order], updates[order]
+  new_run = jnp.concatenate([jnp.ones((1,), bool), rows[1:] != rows[:-1]])
+  run_ends = jnp.concatenate([rows[1:] != rows[:-1], jnp.ones((1,), bool)])
+
+  def combine(a, b):
+    (starts_a, sum_a), (starts_b, sum_b) = a, b
+    return starts_a | starts_b, jnp.where(starts_b[..., None], sum_b, sum_a + sum_b)
+
+  _, sums = lax.associative_scan(combine, (new_run, updates))
+  return _scatter_add_rows(acc, jnp.where(run_ends, rows, acc.shape[0]), sums)
+
+
 def _varying_like(x, *refs):
   """x with the shard_map variance (vma) of refs, so that a scan carry keeps its type.
 
@@ -126,11 +147,14 @@ def sink_split(sink, lse):
 
 
 def backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale: float, d_v: int,
-             chunk: int | None = None):
+             chunk: int | None = None, deterministic: bool = False):
   """Gradients of (o, lse) -> (dq [q.dtype], dkv float32, dsink per batch [B, H] float32).
 
   dkv stays fp32 so that sharded callers can sum partial dkv across shards before the cast.
+  deterministic: sum each kv row's contributions in a fixed order (XLA's GPU scatter-add uses
+  atomics otherwise).
   """
+  scatter = _scatter_add_rows_in_order if deterministic else _scatter_add_rows
   b, t, h, d = q.shape
   s_rows = kv.shape[1]
   k = idx.shape[2]
@@ -163,7 +187,7 @@ def backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale: float, d
     drow = jnp.concatenate([drow[..., :d_v] + dv, drow[..., d_v:]], axis=-1)
     # Invalid slots point past the end and are dropped: nothing is ever written there.
     target = jnp.where(valid, i_, s_rows)
-    dkv_acc = jax.vmap(_scatter_add_rows)(dkv_acc, target, drow)
+    dkv_acc = jax.vmap(scatter)(dkv_acc, target, drow)
     dsink = -jnp.sum(sink_share * delta, axis=1)  # [B, H]
     return dkv_acc, (dq.astype(q.dtype), dsink)
 

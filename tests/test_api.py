@@ -44,6 +44,8 @@ BAD = [
     ("impl", lambda q, kv, idx: dict(implementation="triton"), ValueError, "implementation must be"),
     ("scale", lambda q, kv, idx: dict(scale=float("nan")), ValueError, "scale must be finite"),
     ("not array", lambda q, kv, idx: dict(q=[1.0, 2.0]), TypeError, "q must be an array"),
+    ("deterministic", lambda q, kv, idx: dict(deterministic="yes"), TypeError,
+     "deterministic must be a Python bool"),
 ]
 
 
@@ -99,3 +101,17 @@ def test_kernel_shape_limits_are_explained(kwargs, fragment):
   assert fragment in api.kernel_shape_problem(q, kv, 512 if q.shape[-1] >= 512 else 256)
   assert api.kernel_shape_problem(*_args(d=576)[:2], 512) is None
   assert "d_v=512" in api.kernel_shape_problem(*_args(d=576)[:2], 256)
+
+
+def test_deterministic_flag_keeps_the_reference_gradients():
+  """On the reference (CPU here) deterministic=True changes nothing: same values, bit for bit."""
+  q, kv, idx = _args(h=3, d=64)
+
+  def grads(det):
+    def loss(q, kv):
+      o = jax_dsa.sparse_mla(q, kv, idx, d_v=32, deterministic=det)
+      return jnp.sum(o.astype(jnp.float32) ** 2)
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))(q, kv)
+
+  for a, b in zip(grads(False), grads(True)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

@@ -25,29 +25,35 @@ CASES = [
 ]
 
 
-def _kernel_or_skip():
+def _kernel_or_skip(deterministic=False):
   from jax_dsa import _native
   problem = api.kernel_runtime_problem()
   if problem:
     pytest.skip(problem)
-  if not _native.has_backward():
+  if not _native.has_backward(deterministic):
     pytest.skip("the library was built without the backward kernels")
 
 
-def _grads(p, dtype, impl, w_o, w_lse):
+def _grad_fn(p, dtype, impl, w_o, w_lse, deterministic=False):
+  """(q, kv, sink, jitted function of (q, kv, sink) returning the gradients)."""
   q, kv = jnp.asarray(p.q, dtype), jnp.asarray(p.kv, dtype)
   idx = jnp.asarray(p.idx)
   tl = None if p.topk_length is None else jnp.asarray(p.topk_length)
 
   def loss(q, kv, sink):
     o, lse = jax_dsa.sparse_mla(q, kv, idx, sink=sink, topk_length=tl, return_lse=True,
-                                implementation=impl)
+                                implementation=impl, deterministic=deterministic)
     return (jnp.sum(o.astype(jnp.float32) * w_o)
             + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_lse))
 
   sink = None if p.sink is None else jnp.asarray(p.sink)
   argnums = (0, 1) if sink is None else (0, 1, 2)
-  return q, kv, jax.jit(jax.grad(loss, argnums=argnums))(q, kv, sink)
+  return q, kv, sink, jax.jit(jax.grad(loss, argnums=argnums))
+
+
+def _grads(p, dtype, impl, w_o, w_lse, deterministic=False):
+  q, kv, sink, fn = _grad_fn(p, dtype, impl, w_o, w_lse, deterministic)
+  return q, kv, fn(q, kv, sink)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}H{}D{}S{}K{}{}-{}".format(
@@ -71,11 +77,15 @@ def test_backward_kernel_matches_oracle_and_reference(case):
   np.testing.assert_array_equal(np.asarray(got[0], np.float32)[0, 0], 0.0)  # dead row
 
 
-def test_backward_never_writes_outside_valid_rows():
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_backward_never_writes_outside_valid_rows(deterministic, monkeypatch):
   """Batches 0 and 2 select nothing, batch 1 lists -1, -S, S, S + 7 next to valid rows: a write
   at an invalid row of batch 1 would land in batch 0's last or batch 2's first rows (flat
-  layout), which must stay exactly zero; rows of batch 1 never listed must stay zero too."""
-  _kernel_or_skip()
+  layout), which must stay exactly zero; rows of batch 1 never listed must stay zero too.
+  Deterministic: a workspace of 4 tokens, so the 18 tokens run as 5 chunks."""
+  _kernel_or_skip(deterministic)
+  from jax_dsa import _native
+  monkeypatch.setattr(_native, "DET_WORKSPACE_BYTES", 4 * 70 * 576 * 4)
   rng = np.random.default_rng(5)
   b, t, h, d, s, k = 3, 6, 24, 576, 40, 70
   p = make_problem(rng, b, t, h, d, s, k, sink=True, topk="full", dead_row=False)
@@ -87,9 +97,84 @@ def test_backward_never_writes_outside_valid_rows():
   p.topk_length[0] = 0
   p.topk_length[2] = 0
   w_o = rng.standard_normal((b, t, h, 512)).astype(np.float32)
-  _, _, (dq, dkv, _) = _grads(p, jnp.bfloat16, "cute", w_o, np.zeros((b, t, h), np.float32))
+  _, _, (dq, dkv, _) = _grads(p, jnp.bfloat16, "cute", w_o, np.zeros((b, t, h), np.float32),
+                             deterministic)
   dkv = np.asarray(dkv, np.float32)
   assert np.all(dkv[0] == 0) and np.all(dkv[2] == 0)
   untouched = np.setdiff1d(np.arange(s), p.idx[1][(p.idx[1] >= 0) & (p.idx[1] < s)])
   assert np.all(dkv[1, untouched] == 0) and np.any(dkv[1] != 0)
   assert np.all(np.asarray(dq, np.float32)[[0, 2]] == 0)
+
+
+# (B, T, H, Dqk, S, K, sink, topk_length, workspace budget in tokens or None for the default)
+DET_CASES = [
+    (2, 5, 3, 576, 40, 70, True, "partial", 3),  # K > S: duplicates; chunks cross batches
+    (1, 16, 64, 512, 4096, 640, True, "partial", 5),
+    (2, 4, 100, 576, 900, 1152, False, "none", None),  # two head blocks share entries
+    (1, 8, 128, 512, 100, 640, True, "partial", 3),
+]
+
+
+@pytest.mark.parametrize("case", DET_CASES, ids=lambda c: "B{}T{}H{}D{}S{}K{}{}-{}-ws{}".format(
+    *c[:6], "-sink" if c[6] else "", c[7], c[8]))
+def test_deterministic_backward_matches_oracle(case, monkeypatch):
+  _kernel_or_skip(deterministic=True)
+  from jax_dsa import _native
+  b, t, h, d, s, k, sink, topk, ws_tokens = case
+  if ws_tokens is not None:
+    n_hb = -(-h // 64)
+    monkeypatch.setattr(_native, "DET_WORKSPACE_BYTES", ws_tokens * k * n_hb * d * 4)
+  rng = np.random.default_rng(abs(hash(case)) % 2**32)
+  p = make_problem(rng, b, t, h, d, s, k, sink=sink, topk=topk)
+  w_o = rng.standard_normal((b, t, h, 512)).astype(np.float32)
+  w_lse = rng.standard_normal((b, t, h)).astype(np.float32)
+  q, kv, got = _grads(p, jnp.bfloat16, "cute", w_o, w_lse, deterministic=True)
+  _, _, atomic = _grads(p, jnp.bfloat16, "cute", w_o, w_lse)
+  want = oracle.dense_grads(np.asarray(q, np.float32), np.asarray(kv, np.float32), p.idx,
+                            p.lengths, p.sink, p.scale, 512, w_o, w_lse)
+  for name, g, a, w in zip(("dq", "dkv", "dsink"), got, atomic, want):
+    g = np.asarray(g, np.float32)
+    assert np.all(np.isfinite(g)), name
+    assert rel_err(g, w) < 2e-2, (name, "vs oracle", rel_err(g, w))
+    # Same products, only the fp32 summation order of dkv differs from the atomic kernel.
+    assert rel_err(g, np.asarray(a, np.float32)) < 2e-3, (name, "vs atomic")
+  np.testing.assert_array_equal(np.asarray(got[0], np.float32)[0, 0], 0.0)  # dead row
+
+
+@pytest.mark.parametrize("h", [16, 128])
+def test_deterministic_backward_is_bitwise_reproducible(h):
+  """10 runs of jax.grad with deterministic=True give bitwise identical dq, dkv and dsink, on a
+  problem where every kv row collects hundreds of contributions (the atomic kernel's fp32 sums
+  then depend on the order the atomics land in; printed for information)."""
+  _kernel_or_skip(deterministic=True)
+  rng = np.random.default_rng(h)
+  b, t, d, s, k = 1, 1024, 576, 512, 640
+  p = make_problem(rng, b, t, h, d, s, k, sink=True, topk="partial")
+  w_o = rng.standard_normal((b, t, h, 512)).astype(np.float32)
+  w_lse = rng.standard_normal((b, t, h)).astype(np.float32)
+  q, kv, sink, fn = _grad_fn(p, jnp.bfloat16, "cute", w_o, w_lse, deterministic=True)
+  first = [np.asarray(g) for g in fn(q, kv, sink)]
+  for _ in range(9):
+    for name, g0, g in zip(("dq", "dkv", "dsink"), first, fn(q, kv, sink)):
+      np.testing.assert_array_equal(np.asarray(g), g0, err_msg=name)
+  _, _, _, atomic_fn = _grad_fn(p, jnp.bfloat16, "cute", w_o, w_lse)
+  atomic = [np.asarray(atomic_fn(q, kv, sink)[1]) for _ in range(3)]
+  differs = any(not np.array_equal(a, atomic[0]) for a in atomic[1:])
+  print(f"H={h}: atomic dkv differs between runs: {differs}")
+
+
+def test_reference_backward_with_deterministic_is_bitwise_reproducible_on_gpu():
+  """implementation="xla" promises the same: its dkv is an XLA scatter-add, which must not
+  depend on the order of GPU atomics when deterministic=True."""
+  if not any(d.platform == "gpu" for d in jax.devices()):
+    pytest.skip("no GPU")
+  rng = np.random.default_rng(3)
+  b, t, h, d, s, k = 1, 256, 16, 576, 128, 256
+  p = make_problem(rng, b, t, h, d, s, k, sink=True, topk="partial")
+  w_o = rng.standard_normal((b, t, h, 512)).astype(np.float32)
+  w_lse = rng.standard_normal((b, t, h)).astype(np.float32)
+  q, kv, sink, fn = _grad_fn(p, jnp.bfloat16, "xla", w_o, w_lse, deterministic=True)
+  first = [np.asarray(g) for g in fn(q, kv, sink)]
+  for _ in range(4):
+    for name, g0, g in zip(("dq", "dkv", "dsink"), first, fn(q, kv, sink)):
+      np.testing.assert_array_equal(np.asarray(g), g0, err_msg=name)

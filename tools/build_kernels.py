@@ -34,6 +34,10 @@ FWD_VARIANTS = {
     "ws": ("sparse_mla_fwd_ws", "compile_fwd_ws"),
     "smallh": ("sparse_mla_fwd_smallh", "compile_fwd_smallh"),
 }
+BWD_VARIANTS = {
+    "": ("sparse_mla_bwd", "compile_bwd"),
+    "wg": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma"),
+}
 # (dtype name, Dqk); one export per variant and spec.
 FWD_SPECS = [("bf16", 512), ("bf16", 576), ("f16", 512), ("f16", 576)]
 
@@ -100,14 +104,26 @@ def export_kernels(build_dir, only=None):
             compiled.export_to_c(build_dir, prefix, prefix)
             log(f"exported {prefix} in {time.time() - t0:.1f}s")
             prefixes.append(prefix)
-    from jax_dsa.kernels.sm90.sparse_mla_bwd import compile_bwd
+    from jax_dsa.kernels.sm90.sparse_mla_dkv_reduce import compile_dkv_reduce
 
-    for dname, d in FWD_SPECS:  # the backward has the same (dtype, Dqk) list
-        prefix = f"jax_dsa_bwd_{dname}_d{d}"
+    # Backward variants: export-prefix tag -> (module, compile function); each is built in
+    # atomic and deterministic (tag + "det") form. "" is sparse_mla_bwd (mma.sync), "wg" the
+    # wgmma kernel; ffi/sparse_mla_bwd.cc picks one (JAX_DSA_BWD_IMPL).
+    jobs = []
+    for tag, (mod_name, fn_name) in BWD_VARIANTS.items():
+        compile_fn = getattr(importlib.import_module(f"jax_dsa.kernels.sm90.{mod_name}"), fn_name)
+        for dname, d in FWD_SPECS:  # the backward has the same (dtype, Dqk) list
+            for det in (False, True):
+                jobs.append((f"jax_dsa_bwd{tag}{'det' if det else ''}_{dname}_d{d}",
+                             lambda f=compile_fn, dt=dtypes[dname], d=d, det=det:
+                             f(dt, d, deterministic=det)))
+    for d in sorted({d for _, d in FWD_SPECS}):  # the deterministic dkv reduction (fp32 only)
+        jobs.append((f"jax_dsa_dkvreduce_d{d}", lambda d=d: compile_dkv_reduce(d)))
+    for prefix, compile_fn in jobs:
         if only and not any(o in prefix for o in only):
             continue
         t0 = time.time()
-        compile_bwd(dtypes[dname], d).export_to_c(build_dir, prefix, prefix)
+        compile_fn().export_to_c(build_dir, prefix, prefix)
         log(f"exported {prefix} in {time.time() - t0:.1f}s")
         prefixes.append(prefix)
     return prefixes
@@ -120,6 +136,8 @@ def write_index_header(build_dir, prefixes):
     lines.append("#define JAX_DSA_FWD_SPECS(X) " + " ".join(f"X({p})" for p in fwd))
     bwd = [p for p in prefixes if p.startswith("jax_dsa_bwd")]
     lines.append("#define JAX_DSA_BWD_SPECS(X) " + " ".join(f"X({p})" for p in bwd))
+    red = [p for p in prefixes if p.startswith("jax_dsa_dkvreduce")]
+    lines.append("#define JAX_DSA_REDUCE_SPECS(X) " + " ".join(f"X({p})" for p in red))
     with open(os.path.join(build_dir, "jax_dsa_kernels.h"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -130,6 +148,8 @@ def main():
     ap.add_argument("--build-dir", default=os.path.join(ROOT, ".kbuild"))
     ap.add_argument("--cxx", default=os.environ.get("CXX", "g++"))
     ap.add_argument("--only", nargs="*", help="substrings of the export prefixes to build")
+    ap.add_argument("--relink", action="store_true",
+                    help="reuse the kernel exports already in --build-dir (after an edit of ffi/)")
     args = ap.parse_args()
 
     arch = os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -138,9 +158,10 @@ def main():
     t_start = time.time()
     os.makedirs(args.build_dir, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
-    for ext in ("*.h", "*.o", "*.map"):  # stale exports would otherwise be linked in
-        for stale in glob.glob(os.path.join(args.build_dir, ext)):
-            os.remove(stale)
+    if not args.relink:
+        for ext in ("*.h", "*.o", "*.map"):  # stale exports would otherwise be linked in
+            for stale in glob.glob(os.path.join(args.build_dir, ext)):
+                os.remove(stale)
 
     import jax
 
@@ -149,10 +170,15 @@ def main():
     dialect_rt = find_dialect_runtime()
     log(f"CUDA headers {cuda_inc}; cudart {cudart}; dialect runtime {dialect_rt}")
 
-    prefixes = export_kernels(args.build_dir, args.only)
+    if args.relink:
+        prefixes = [os.path.basename(h)[:-2] for h in glob.glob(os.path.join(args.build_dir, "*.h"))
+                    if os.path.basename(h).startswith("jax_dsa_") and h.endswith(".h")
+                    and not h.endswith("jax_dsa_kernels.h")]
+    else:
+        prefixes = export_kernels(args.build_dir, args.only)
     write_index_header(args.build_dir, prefixes)
 
-    kernel_objs = sorted(glob.glob(os.path.join(args.build_dir, "*.o")))
+    kernel_objs = sorted(os.path.join(args.build_dir, p + ".o") for p in prefixes)
     ffi_objs = []
     for cc in sorted(glob.glob(os.path.join(ROOT, "ffi", "*.cc"))):
         obj = os.path.join(args.build_dir, "ffi_" + os.path.basename(cc)[:-3] + ".o")

@@ -128,6 +128,8 @@ def main():
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--max-heads", type=int, default=128, help="skip cases with more heads")
     ap.add_argument("--time-heads", default="64,128", help="head counts timed at D=512")
+    ap.add_argument("--only", default="", help="comma-separated case ids to run (default: all)")
+    ap.add_argument("--skip", default="", help="comma-separated case ids to leave out")
     ap.add_argument("--impl", default="default", choices=IMPLS + ["all", "default"],
                     help="kernel variant (sets JAX_DSA_FWD_IMPL)")
     args = ap.parse_args()
@@ -168,7 +170,15 @@ def main():
     cases.append(dict(i=960, B=3, T=700, S=2000, H=16, D=576, K=130, invalid_frac=0.1,
                       tl_mode="partial"))
     cases = [c for c in cases if c["H"] <= args.max_heads]
-    results = [check_case(**c) for c in cases]
+    if args.only:
+        cases = [c for c in cases if str(c["i"]) in args.only.split(",")]
+    if args.skip:
+        cases = [c for c in cases if str(c["i"]) not in args.skip.split(",")]
+    results = []
+    for c in cases:
+        t0 = time.perf_counter()
+        results.append(check_case(**c))
+        print(f"  case {c['i']} took {time.perf_counter() - t0:.1f}s", flush=True)
     print(f"{sum(results)}/{len(results)} cases passed")
     if not args.skip_timing:
         heads = [int(h) for h in args.time_heads.split(",")]

@@ -41,7 +41,13 @@ mma.sync design: ~14k clocks at 128 B/clock), the gather 72 KB, the dkv scatter 
 
 Inputs are flattened on the host side: q (B*T*H, Dqk), kv (B*S, Dqk), idx (B*T*K,),
 topk_length (B*T,), lse (B*T*H,), do (B*T*H, 512), coef (B*T*H*2,), dq (B*T*H, Dqk),
-dkv (B*S, Dqk) float32 (zero-filled by the caller). All row offsets are 64-bit.
+dkv (B*S, Dqk) float32 (zero-filled by the caller). All row offsets are 64-bit. A launch covers
+the n_tok flattened tokens bt = b*T + t from t_begin on (grid x), 64 heads each (grid y).
+
+Deterministic variant (deterministic=True): no atomics. The dkv argument is a workspace of
+n_tok * K * n_hb rows (n_hb = ceil(H / 64)); the contribution of entry j of token bt from head
+block hb is stored, all Dqk columns, at row ((bt - t_begin) * K + j) * n_hb + hb. Invalid entries
+store nothing. sparse_mla_dkv_reduce.py then sums each kv row's contributions in a fixed order.
 """
 
 import math
@@ -59,6 +65,24 @@ LOG2_E = math.log2(math.e)
 # (range_constexpr) k-loops let the compiler hoist every loop-invariant shared-memory address out
 # of the token loop, which spilled the dQ accumulator (~800 B of local memory per thread).
 GEMM_UNROLL = 2
+
+
+@dsl_user_op
+def st_global_v4_f32(ptr, a, b, c, d, *, loc=None, ip=None):
+    """st.global.v4.f32 [ptr], {a, b, c, d} (ptr 16-byte aligned global memory)."""
+    addr = ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
+    vals = [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)]
+    llvm.inline_asm(
+        None,
+        [addr] + vals,
+        "st.global.v4.f32 [$0], {$1, $2, $3, $4};",
+        "l,f,f,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
 
 
 @dsl_user_op
@@ -80,8 +104,11 @@ def red_add_v4_f32(ptr, a, b, c, d, *, loc=None, ip=None):
 
 
 class SparseMlaBwdSm90:
-    def __init__(self, dtype, d_qk: int, d_v: int = 512):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False):
         assert d_v == 512 and d_qk in (512, 576)
+        # deterministic: store each entry's dkv contribution as a workspace row instead of
+        # adding it atomically (sparse_mla_dkv_reduce.py sums them in a fixed order).
+        self.deterministic = deterministic
         self.dtype = dtype
         self.d_qk = d_qk
         self.d_v = d_v
@@ -119,6 +146,8 @@ class SparseMlaBwdSm90:
         H: cutlass.Int32,
         S: cutlass.Int32,
         K: cutlass.Int32,
+        t_begin: cutlass.Int32,
+        n_tok: cutlass.Int32,
         scale: cutlass.Float32,
         stream: cuda.CUstream,
     ):
@@ -150,12 +179,12 @@ class SparseMlaBwdSm90:
         )
         n_head_blocks = (H + self.bm - 1) // self.bm
         self.kernel(
-            mQ, mKV, mIdx, mLen, mLse, mDO, mCoef, mDQ, mDKV, T, H, S, K,
+            mQ, mKV, mIdx, mLen, mLse, mDO, mCoef, mDQ, mDKV, T, H, S, K, t_begin,
             scale,
             sQ_layout, sDO_layout, sKV_layout, sHalf_layout, sT_layout,
             tiled_mma, SharedStorage,
         ).launch(
-            grid=[T, n_head_blocks, B],
+            grid=[n_tok, n_head_blocks, 1],
             block=[self.threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -276,6 +305,7 @@ class SparseMlaBwdSm90:
         H: cutlass.Int32,
         S: cutlass.Int32,
         K: cutlass.Int32,
+        t_begin: cutlass.Int32,
         scale: cutlass.Float32,
         sQ_layout: cute.ComposedLayout,
         sDO_layout: cute.ComposedLayout,
@@ -288,11 +318,13 @@ class SparseMlaBwdSm90:
         bm, bn, hn = self.bm, self.bn, self.half_n
         d_qk, d_v = self.d_qk, self.d_v
         tidx, _, _ = cute.arch.thread_idx()
-        t, hb, b = cute.arch.block_idx()
+        t_loc, hb, _ = cute.arch.block_idx()
         grp = tidx // 128
         gtid = tidx % 128
         h0 = hb * bm
-        bt = cutlass.Int64(b) * cutlass.Int64(T) + cutlass.Int64(t)
+        # Flattened token b * T + t: this launch covers tokens t_begin .. t_begin + n_tok - 1.
+        bt = cutlass.Int64(t_begin) + cutlass.Int64(t_loc)
+        b = bt // cutlass.Int64(T)
         scale_log2 = scale * LOG2_E
 
         k_eff = cutlass.min(K, cutlass.max(mLen[bt], 0))
@@ -325,7 +357,10 @@ class SparseMlaBwdSm90:
         self._load_rows(mDO, sDO, cp_atom, q_ok, q_row, crow, csub, d_v // 8)
 
         idx_base = bt * cutlass.Int64(K)
-        kv_batch = cutlass.Int64(b) * cutlass.Int64(S)
+        kv_batch = b * cutlass.Int64(S)
+        # Deterministic mode: entry j's workspace row is (t_loc * K + j) * n_hb + hb.
+        n_hb = (H + bm - 1) // bm
+        ws_tok = cutlass.Int64(t_loc) * cutlass.Int64(K)
         if n_blocks > 0:
             row0 = self._fetch_idx(mIdx, 0, k_eff, idx_base, crow)
             self._load_block(mKV, sRow, sKV, cp_atom, row0, 0, S, kv_batch, crow, csub)
@@ -453,16 +488,20 @@ class SparseMlaBwdSm90:
             cute.arch.cp_async_commit_group()
 
             # 4. dKV for this block, 64 columns at a time.
+            dst_base = kv_batch  # atomic mode: row b * S + idx
+            if cutlass.const_expr(self.deterministic):
+                dst_base = (ws_tok + cutlass.Int64(blk * bn)) * cutlass.Int64(n_hb) + \
+                    cutlass.Int64(hb)
             for i in cutlass.range_constexpr(self.n_col_chunks_g):
                 ch = grp * self.n_col_chunks_g + i
                 self._dkv_chunk(tiled_mma, thr_mma, s2r_At, s2r_Bt, sDSt, sPt,
                                 q_base, do_base, sT_layout, ch, True, kh, scale,
-                                mDKV, sRow, slot, kv_batch, tCcC, odd, kr_mine)
+                                mDKV, sRow, slot, dst_base, n_hb, tCcC, odd, kr_mine)
             if cutlass.const_expr(self.rope > 0):
                 if grp == 0:
                     self._dkv_chunk(tiled_mma, thr_mma, s2r_At, s2r_Bt, sDSt, sPt,
                                     q_base, do_base, sT_layout, d_v // 64, False, kh, scale,
-                                    mDKV, sRow, slot, kv_batch, tCcC, odd, kr_mine)
+                                    mDKV, sRow, slot, dst_base, n_hb, tCcC, odd, kr_mine)
 
         # ---- epilogue: dQ = acc (bf16: scale already in dS), staged through the Q buffer --
         dq_scale = cutlass.Float32(1.0)
@@ -499,11 +538,12 @@ class SparseMlaBwdSm90:
                    sT_layout: cute.ComposedLayout, ch: cutlass.Int32,
                    with_do: cutlass.Constexpr, kh: cutlass.Int32, scale: cutlass.Float32,
                    mDKV: cute.Tensor, sRow: cute.Tensor, slot: cutlass.Int32,
-                   kv_batch: cutlass.Int64, tCcC: cute.Tensor, odd: cutlass.Boolean,
-                   kr_mine: cutlass.Int32):
+                   dst_base: cutlass.Int64, n_hb: cutlass.Int32, tCcC: cute.Tensor,
+                   odd: cutlass.Boolean, kr_mine: cutlass.Int32):
         """dkv[rows of this block, 64 ch : 64 ch + 64] += (scale dS)^T Q[:, chunk]
         (+ (c P~)^T dO[:, chunk] when with_do), over the first kh 16-head k-steps only,
-        valid rows only, with 16-byte vector atomics."""
+        valid rows only, with 16-byte vector atomics at row dst_base + idx (deterministic
+        mode: 16-byte stores at workspace row dst_base + block row * n_hb)."""
         bm, bn = self.bm, self.bn
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((bn, 64)), cutlass.Float32)
         acc.fill(0.0)
@@ -520,8 +560,10 @@ class SparseMlaBwdSm90:
         # 8 n + 4 (i % 2) .. + 3, and lane 2i + 1 row r + 8, the same columns.
         assert cute.size(acc_mn, mode=[0]) == 2 and cute.size(acc_mn, mode=[1]) == 16
         row = sRow[slot * bn + kr_mine]
-        g_row = (kv_batch + cutlass.Int64(row)) * cutlass.Int64(self.d_qk) + \
-            cutlass.Int64(ch * 64)
+        dst_row = dst_base + cutlass.Int64(row)
+        if cutlass.const_expr(self.deterministic):
+            dst_row = dst_base + cutlass.Int64(kr_mine) * cutlass.Int64(n_hb)
+        g_row = dst_row * cutlass.Int64(self.d_qk) + cutlass.Int64(ch * 64)
         for n in cutlass.range_constexpr(8):
             a00 = acc_mn[0, 2 * n]
             a01 = acc_mn[0, 2 * n + 1]
@@ -539,13 +581,18 @@ class SparseMlaBwdSm90:
             # first column of the 4: own column for even lanes, the partner's for odd ones
             col = tCcC[0, 2 * n][1] - cutlass.select_(odd, cutlass.Int32(2), cutlass.Int32(0))
             if row >= 0:
-                red_add_v4_f32(mDKV.iterator + (g_row + cutlass.Int64(col)), v0, v1, v2, v3)
+                if cutlass.const_expr(self.deterministic):
+                    st_global_v4_f32(mDKV.iterator + (g_row + cutlass.Int64(col)), v0, v1, v2, v3)
+                else:
+                    red_add_v4_f32(mDKV.iterator + (g_row + cutlass.Int64(col)), v0, v1, v2, v3)
 
 
 # -------------------------------------------------------------------- AOT compile entry
-def compile_bwd(dtype, d_qk: int, d_v: int = 512, options: str | None = None):
+def compile_bwd(dtype, d_qk: int, d_v: int = 512, options: str | None = None,
+                deterministic: bool = False):
     """Compile one specialization with fake (shape-only) tensors; no GPU needed. `options` are
-    extra cute.compile options, e.g. "--ptxas-options '-v'" to print registers / spills."""
+    extra cute.compile options, e.g. "--ptxas-options '-v'" to print registers / spills.
+    deterministic: the dkv argument is the workspace (see SparseMlaBwdSm90.__init__)."""
     rows_q = cute.sym_int64()
     rows_kv = cute.sym_int64()
     n_idx = cute.sym_int64()
@@ -559,12 +606,13 @@ def compile_bwd(dtype, d_qk: int, d_v: int = 512, options: str | None = None):
     do = make_fake_compact_tensor(dtype, (rows_q, d_v), stride_order=(1, 0), assumed_align=16)
     coef = make_fake_compact_tensor(cutlass.Float32, (n_coef,), assumed_align=8)
     dq = make_fake_compact_tensor(dtype, (rows_q, d_qk), stride_order=(1, 0), assumed_align=16)
-    dkv = make_fake_compact_tensor(cutlass.Float32, (rows_kv, d_qk), stride_order=(1, 0),
+    rows_dkv = cute.sym_int64()  # B*S, or the workspace rows in deterministic mode
+    dkv = make_fake_compact_tensor(cutlass.Float32, (rows_dkv, d_qk), stride_order=(1, 0),
                                    assumed_align=16)
-    op = SparseMlaBwdSm90(dtype, d_qk, d_v)
+    op = SparseMlaBwdSm90(dtype, d_qk, d_v, deterministic)
     i32 = cutlass.Int32(1)
     return cute.compile(
-        op, q, kv, idx, tl, lse, do, coef, dq, dkv, i32, i32, i32, i32, i32,
+        op, q, kv, idx, tl, lse, do, coef, dq, dkv, i32, i32, i32, i32, i32, i32, i32,
         cutlass.Float32(1.0), make_fake_stream(),
         **({"options": options} if options else {}),
     )

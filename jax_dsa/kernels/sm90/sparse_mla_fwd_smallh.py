@@ -13,84 +13,156 @@ NP (8, 16, 24 or 32) is chosen at run time from H: one kernel per NP lives in th
 host function launches the smallest that holds H. Heads h >= H are zero rows of Q (scores 0,
 finite), never stored.
 
-Layout of the work:
-  * A CTA runs a contiguous range of `tpc` tokens (flattened b*T + t on grid x; tpc =
-    ceil(B*T / 528), i.e. about 4 CTAs per SM of an H200 in total) as one flat stream of
-    64-key blocks, so the gather of the next token's first block (and its Q, double-buffered)
-    is in flight while the current token finishes: no pipeline drain per token. A token whose
-    index list is empty still gets one (all-invalid) block, which yields o = 0, lse = -inf.
-  * 256 threads = 2 warpgroups, all of them issue the 16-byte cp.async row gathers (4 threads per
-    row, as in sparse_mla_fwd) into a 2-stage ring of 64 rows x Dqk; invalid slots are never read,
-    their rows are zero-filled and flagged in sValid.
-  * S^T: warpgroup g multiplies its half of Dqk (k-steps [g*ks/2, (g+1)*ks/2)); warpgroup 1 hands its
-    fp32 partial to warpgroup 0 through shared memory. Warpgroup 0 adds, masks invalid keys (rows)
-    to -inf, takes the per-head (column) max over the 64 keys (3 warp shuffles + the 4 warps'
-    maxima through smem), exponentiates, keeps per-thread partial column sums (reduced once per
-    token), writes P^T (16 bit, NP x 64, K-major, 128 B swizzle) and the per-head rescale factors.
-  * O^T: warpgroup g owns d rows [256 g, 256 g + 256) (4 m-tiles): accumulator 256 x NP fp32 =
-    NP / 2 * 4 registers per thread (64 at NP = 32). Both read P^T from smem.
-  * Epilogue per token: column sums reduced through smem, sink in the denominator only, natural-log
-    lse, O^T staged transposed in the just-consumed KV stage (row pitch 520 elements), then stored
-    with 16-byte stores for h < H only.
-  * Generic-proxy smem writes (cp.async, zero fills, P^T) are published to wgmma with
-    fence.proxy.async before the barrier that precedes the wgmma.
-Shared memory at Dqk = 576, NP = 32: Q 2 x 36 KB + KV 2 x 72 KB + 8 KB exchange/P/sCorr/sM + 1 KB
-(225 KB dynamic + 1 KB static, limit 227 KB); one CTA per SM.
+Why this structure (v2; v1, in git history, had all 256 threads gather into 2 x 64-row stages and
+measured 0.93 ms at H = 16: ~1 block of gather in flight per SM, the index load on the issue path,
+5 CTA barriers per block). The problem is bound by the row gather (640 KB per token), so the kernel
+is organised to keep as many gathered bytes in flight per SM as shared memory allows:
+
+  * Warp specialization, 256 threads, one CTA per SM (shared memory):
+      WG1 = producer: only issues 16-byte cp.async gathers (8 threads per 128-byte row segment:
+            one instruction moves 4 whole 128 B lines), the indices of the next block are
+            prefetched one block ahead so no cp.async waits on an index load. Invalid slots
+            (idx < 0, idx >= S, j >= topk_length) use cp.async's src-size 0 form: 16 zero bytes,
+            nothing read from global memory. Heads h >= H of Q are zero-filled the same way.
+            Every shared-memory write of the producer is a cp.async, so completion is signalled
+            with cp.async.mbarrier.arrive.noinc alone (one per producer thread and buffer).
+      WG0 = consumer: waits on mbarriers, runs both wgmma products, the online softmax, the
+            epilogue; it never gathers. No setmaxnreg is needed: 256 threads x 255 registers fit.
+  * The KV ring is made of *slabs*: 64 keys x 64 columns (8 KB, one 128 B-swizzle atom column of
+    a 64-row block). A 64-key block is nk = Dqk / 64 consecutive slabs of the ring (8 or 9, the
+    ring index wraps). This works because every wgmma k-step of S^T reads one slab, and the P V
+    m-tile for d rows [64 i, 64 i + 64) reads exactly slab i (its MN-major V^T view). So the
+    ring capacity need not be a whole number of 64 KB / 72 KB stages: each variant takes as many
+    slabs as fit next to its double-buffered Q (`_SmallHKernel.ring`: Dqk 512: 25/23/21/19 slabs
+    at NP 8/16/24/32, Dqk 576: 25/23/20/18, i.e. 2.0..3.1 blocks), so 72..136 KB stay in flight
+    while the consumer holds one block (v1: at most 64 KB, and only part of the time). Slabs are
+    released as soon as their last reader finishes: the rope slab (Dqk 576) right after S^T, the V slabs in
+    pairs as the P V m-tiles complete (one wgmma commit group per pair of m-tiles). The consumer
+    waits for all slabs of a block before its first S^T wgmma: a wait loop between wgmmas makes
+    ptxas serialize them (checked in the SASS: no WARPGROUP.DEPBAR inside the S^T chain).
+  * Phase bookkeeping: every slab (and every Q buffer) has a "full" and an "empty" mbarrier. Both
+    roles walk the same flat stream of blocks of this CTA's tokens (a token with an empty index
+    list still has one all-invalid block), so slab n of the stream is ring position n mod RING in
+    its (n div RING)-th use: full waits parity (n div RING) & 1, the producer's empty wait for use
+    u >= 1 parity (u - 1) & 1. Nothing depends on token boundaries; a barrier can never run two
+    phases ahead of a waiter (each use needs the other side's previous hand-off). Arrival counts:
+    full = 128 (each producer thread one cp.async.mbarrier.arrive.noinc, which counts against the
+    expected count; every producer thread arrives once per buffer, whether or not it copied
+    anything), empty = 4 (lane 0 of each consumer warp after its wgmma.wait_group).
+    Deadlock freedom: the producer fills in stream order and RING >= 2 nk, so the slabs the
+    consumer waits for never depend on slabs it still holds.
+  * Q: double-buffered by token parity, loaded by the producer before the token's first block;
+    the consumer releases a Q buffer after the token's last S^T.
+  * The consumer validates its own two keys per block (the indices of the next block are loaded
+    one block ahead) and masks invalid ones to -inf; the zero-filled rows make P V finite.
+  * Softmax over keys (rows) per head (column): per-warp column max by 3 shuffles, the 4 warps'
+    maxima through shared memory (one 128-thread named barrier), exp2, P^T (16 bit, NP x 64,
+    K-major, 128 B swizzle) written to shared memory, fence.proxy.async, named barrier, P V.
+    The O^T rescale factor of a head is thread-local (O^T and S^T fragments share columns).
+  * Epilogue per token: column sums through shared memory, sink in the denominator only,
+    natural-log lse, O stored straight from the accumulators (16-bit stores, 8 consecutive d per
+    head and instruction) for h < H only; no shared-memory staging, so no slab is held.
+  * Generic-proxy smem writes read by wgmma: cp.async data is published by the mbarrier and the
+    consumer's fence.proxy.async after its waits; P^T by the writers' fence.proxy.async before
+    the named barrier.
 """
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+from cutlass.cutlass_dsl import dsl_user_op
+from cutlass._mlir.dialects import llvm
 import cuda.bindings.driver as cuda
 
-from jax_dsa.kernels.sm90.sparse_mla_fwd import LN_2, LOG2_E, SparseMlaFwdSm90
+from jax_dsa.kernels.sm90.sparse_mla_fwd import LN_2, LOG2_E
 
 # Tokens per CTA = ceil(B*T / CTA_TARGET): about 4 waves of 1-CTA-per-SM work on 132 SMs.
 CTA_TARGET = 528
-O_PITCH = 8  # extra elements per staged O row (bank spread)
+# sm_90 opt-in maximum per block (227 KB) minus the 1 KB static reservation and 1 KB of margin.
+SMEM_BUDGET = 232448 - 2048
+SLAB_BYTES = 8192  # 64 keys x 64 columns x 16 bit
+CONSUMER_BAR = 1  # named barrier of the 128 consumer threads (0 is __syncthreads)
 
 
-class _SmallHKernel(SparseMlaFwdSm90):
+@dsl_user_op
+def _cp_async_16(dst_smem: cutlass.Int32, src_gmem: cutlass.Int64, src_bytes: cutlass.Int32,
+                 *, loc=None, ip=None):
+    """cp.async.cg 16 bytes global -> shared; src_bytes = 0 writes 16 zero bytes and reads nothing."""
+    llvm.inline_asm(
+        res=None,
+        operands_=[
+            cutlass.Int32(dst_smem).ir_value(loc=loc, ip=ip),
+            cutlass.Int64(src_gmem).ir_value(loc=loc, ip=ip),
+            cutlass.Int32(src_bytes).ir_value(loc=loc, ip=ip),
+        ],
+        asm_string="cp.async.cg.shared.global [$0], [$1], 16, $2;",
+        constraints="r,l,r,~{memory}",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+class _SmallHKernel:
     """One kernel specialization for NP padded heads."""
 
     def __init__(self, dtype, d_qk: int, d_v: int, n_pad: int):
-        super().__init__(dtype, d_qk, d_v)  # bn = 64, 256 threads, 4 threads per gathered row
-        assert d_v == 512 and n_pad % 8 == 0 and 8 <= n_pad <= 32
+        assert d_v == 512 and d_qk in (512, 576)
+        assert n_pad % 8 == 0 and 8 <= n_pad <= 32
+        self.dtype = dtype
+        self.d_qk = d_qk
+        self.d_v = d_v
         self.np_ = n_pad
-        self.ks = d_qk // 16  # k-steps of S^T
-        assert self.ks % 2 == 0
-        self.ks_half = self.ks // 2
+        self.bn = 64  # keys per block
+        self.threads = 256
+        self.nk = d_qk // 64  # slabs per block (8 or 9)
+        self.nv_slabs = d_v // 64  # slabs read by P V (8)
+        self.q_chunks = d_qk // 8  # 16-byte chunks per Q row
         self.nv = n_pad // 2  # S^T accumulator values per thread (64 * NP / 128)
         self.nc = n_pad // 4  # head columns per thread
-        self.dv_g = d_v // 2  # d rows of O^T per warpgroup
+        # Shared memory: Q 2 x NP x Dqk, P^T NP x 64, 1 KB of small things, the rest is ring.
+        q_bytes = 2 * n_pad * d_qk * 2
+        p_bytes = n_pad * 64 * 2
+
+        def total(ring):  # the layout of SharedStorage below
+            small = 2 * 16 * n_pad + (2 * ring + 4) * 8
+            return q_bytes + ring * SLAB_BYTES + p_bytes + small
+
+        ring = 32
+        while total(ring) > SMEM_BUDGET:
+            ring -= 1
+        self.ring = ring
+        assert self.ring >= 2 * self.nk, (d_qk, n_pad, self.ring)
 
     def layouts(self):
+        """(k atom, Q layout, slab layout, V^T slab layout, P^T layout)."""
         k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
         mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, self.dtype)
         sQ_layout = cute.tile_to_shape(k_atom, (self.np_, self.d_qk), (0, 1))
-        sKV_layout = cute.tile_to_shape(k_atom, (self.bn, self.d_qk), (0, 1))
-        sVt_layout = cute.tile_to_shape(mn_atom, (self.dv_g, self.bn), (1, 0))
+        sK_layout = cute.tile_to_shape(k_atom, (self.bn, 64), (0, 1))
+        sVt_layout = cute.tile_to_shape(mn_atom, (64, self.bn), (1, 0))
         sP_layout = cute.tile_to_shape(k_atom, (self.np_, self.bn), (0, 1))
-        return k_atom, sQ_layout, sKV_layout, sVt_layout, sP_layout
+        return k_atom, sQ_layout, sK_layout, sVt_layout, sP_layout
 
-    def storage(self, sQ_layout, sKV_layout):
-        np_ = self.np_
+    def storage(self, sQ_layout, sK_layout):
+        np_, ring = self.np_, self.ring
 
         @cute.struct
         class SharedStorage:
             sQ: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, 2 * cute.cosize(sQ_layout)], 1024
             ]
-            sKV: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, 2 * cute.cosize(sKV_layout)], 1024
+            sRing: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, ring * cute.cosize(sK_layout)], 1024
             ]
-            # fp32 S^T partial of warpgroup 1 (nv x 128 = 256 NP bytes), later aliased by P^T
-            # (NP x 64, 16 bit: the first 128 NP bytes) and, behind it, sCorr[NP] and sM[NP].
-            sXP: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 128 * self.nv], 1024]
-            sValid: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * self.bn], 16]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, np_ * 64], 1024]
             sMax: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * np_], 16]
+            sSum: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * np_], 16]
+            # full[ring], empty[ring], qfull[2], qempty[2]
+            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 2 * ring + 4], 8]
 
         return SharedStorage
 
@@ -108,12 +180,12 @@ class _SmallHKernel(SparseMlaFwdSm90):
     @cute.jit
     def launch(self, mQ, mKV, mIdx, mLen, mSink, mO, mLse, T, H, S, K, BT, tpc, scale_log2,
                n_cta, stream):
-        k_atom, sQ_layout, sKV_layout, sVt_layout, sP_layout = self.layouts()
-        SharedStorage = self.storage(sQ_layout, sKV_layout)
+        k_atom, sQ_layout, sK_layout, sVt_layout, sP_layout = self.layouts()
+        SharedStorage = self.storage(sQ_layout, sK_layout)
         qk_mma, pv_mma = self.mmas()
         self.kernel(
             mQ, mKV, mIdx, mLen, mSink, mO, mLse, T, H, S, K, BT, tpc, scale_log2,
-            k_atom.inner, sQ_layout.outer, sKV_layout.outer, sVt_layout.outer, sP_layout.outer,
+            k_atom.inner, sQ_layout.outer, sK_layout.outer, sVt_layout.outer, sP_layout.outer,
             qk_mma, pv_mma, SharedStorage,
         ).launch(
             grid=[n_cta, 1, 1],
@@ -138,30 +210,369 @@ class _SmallHKernel(SparseMlaFwdSm90):
         )
         return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
 
-    @cute.jit
-    def _issue(self, mQ, mKV, mIdx, sValid, q_sw, kv_sw, sQ_layout, sKV_layout, cp_atom,
-               tok, blk, keff, qsel, stage, T, H, S, K, tidx, crow, csub):
-        """Gather block `blk` of token `tok` into `stage` (and its Q into buffer qsel when blk = 0)."""
-        tok64 = cutlass.Int64(tok)
-        if blk == 0:
-            sQb = cute.make_tensor(
-                q_sw + cute.assume(qsel * cute.cosize(sQ_layout), divby=512), sQ_layout
-            )
-            n_q = self.np_ * self.chunks
-            for i in cutlass.range_constexpr((n_q + self.threads - 1) // self.threads):
-                flat = tidx + self.threads * i
-                if flat < n_q:
-                    h = flat // self.chunks
-                    c = flat - h * self.chunks
-                    if h < H:
-                        q_row = tok64 * cutlass.Int64(H) + cutlass.Int64(h)
-                        cute.copy(cp_atom, self._chunk(mQ, q_row, c), self._chunk(sQb, h, c))
-                    else:
-                        self._chunk(sQb, h, c).fill(0)
-        kv_batch = cutlass.Int64(tok // T) * cutlass.Int64(S)
-        self._load_block(mKV, mIdx, sValid, self._stage(kv_sw, sKV_layout, stage), cp_atom,
-                         blk, stage, keff, S, tok64 * cutlass.Int64(K), kv_batch, crow, csub)
+    @staticmethod
+    def _sw128(rows: int, row, chunk):
+        """Byte offset of 16-byte chunk `chunk` of row `row` in a K-major 128 B-swizzled tile of
+        `rows` rows (rows % 8 == 0) based at a 1024-byte-aligned address: the layout of
+        tile_to_shape(K_SW128 atom, (rows, cols), (0, 1)) with the swizzle applied."""
+        return ((chunk // 8) * rows + row) * 128 + (((chunk % 8) ^ (row % 8)) * 16)
 
+    # ------------------------------------------------------------------ producer
+    @cute.jit
+    def _produce(self, mQ, mKV, mIdx, mLen, q_base, ring_base, mbar, T, H, S, K,
+                 tok_begin, tok_end, p):
+        bn, nk, ring, np_ = self.bn, self.nk, self.ring, self.np_
+        prow = p // 8  # rows prow + 16 q, q < 4
+        pch = p % 8  # 16-byte chunk inside the slab's 128-byte row segment
+        kv_addr = mKV.iterator.toint()
+        q_addr = mQ.iterator.toint()
+        full = mbar
+        empty = mbar + ring
+        qfull = mbar + 2 * ring
+        qempty = mbar + 2 * ring + 2
+        # Byte offsets of this thread's 4 destination chunks inside a slab.
+        dst_off = [self._sw128(bn, prow + 16 * q, pch) for q in range(4)]
+
+        tok = tok_begin
+        blk = cutlass.Int32(0)
+        keff = cutlass.min(K, cutlass.max(mLen[tok], 0))
+        nb = cutlass.max((keff + bn - 1) // bn, 1)
+        len_nxt = cutlass.Int32(0)
+        if tok + 1 < tok_end:
+            len_nxt = mLen[tok + 1]
+        idx_cur = cute.make_rmem_tensor(4, cutlass.Int32)
+        idx_nxt = cute.make_rmem_tensor(4, cutlass.Int32)
+        for q in cutlass.range_constexpr(4):
+            j = prow + 16 * q
+            v = cutlass.Int32(-1)
+            if j < keff:
+                v = mIdx[cutlass.Int64(tok) * cutlass.Int64(K) + cutlass.Int64(j)]
+            idx_cur[q] = v
+        pos = cutlass.Int32(0)  # ring position of the next slab
+        ph = cutlass.Int32(0)  # parity of its use count
+        wrapped = cutlass.Int32(0)  # 1 once the ring has been filled once
+        qi = cutlass.Int32(0)  # token counter (Q buffer = qi % 2)
+
+        while tok < tok_end:
+            # Indices of the next block in the stream (only j < topk_length is read; the
+            # next token's length was loaded a token ahead).
+            n_tok = tok
+            n_blk = blk + 1
+            if n_blk == nb:
+                n_tok = tok + 1
+                n_blk = cutlass.Int32(0)
+            n_keff = keff
+            if n_tok != tok:
+                n_keff = cutlass.min(K, cutlass.max(len_nxt, 0))
+            for q in cutlass.range_constexpr(4):
+                j = n_blk * bn + prow + 16 * q
+                v = cutlass.Int32(-1)
+                if n_tok < tok_end and j < n_keff:
+                    v = mIdx[cutlass.Int64(n_tok) * cutlass.Int64(K) + cutlass.Int64(j)]
+                idx_nxt[q] = v
+
+            if blk == 0:
+                # ---- Q of this token into buffer qi % 2 (heads h >= H: zeros) ----------------
+                qb = qi % 2
+                if qi >= 2:
+                    cute.arch.mbarrier_wait(qempty + qb, ((qi // 2) - 1) % 2)
+                q_dst = q_base + qb * (np_ * self.d_qk * 2)
+                n_q = np_ * self.q_chunks
+                for i in cutlass.range_constexpr((n_q + 127) // 128):
+                    flat = p + 128 * i
+                    if flat < n_q:
+                        h = flat // self.q_chunks
+                        c = flat - h * self.q_chunks
+                        src = q_addr
+                        nbytes = cutlass.Int32(0)
+                        if h < H:
+                            src = q_addr + (
+                                (cutlass.Int64(tok) * cutlass.Int64(H) + cutlass.Int64(h))
+                                * cutlass.Int64(self.d_qk) + cutlass.Int64(8 * c)
+                            ) * 2
+                            nbytes = cutlass.Int32(16)
+                        _cp_async_16(q_dst + self._sw128(np_, h, c), src, nbytes)
+                cute.arch.cp_async_mbarrier_arrive_noinc(qfull + qb)
+
+            # ---- the block's nk slabs ----------------------------------------------------------
+            kv_batch = cutlass.Int64(tok // T) * cutlass.Int64(S)
+            row_src = []
+            row_n = []
+            for q in cutlass.range_constexpr(4):
+                r = idx_cur[q]
+                ok = blk * bn + prow + 16 * q < keff and r >= 0 and r < S
+                g_off = kv_addr + (
+                    (kv_batch + cutlass.Int64(r)) * cutlass.Int64(self.d_qk)
+                    + cutlass.Int64(8 * pch)
+                ) * 2
+                # Invalid: src-size 0 (zero fill) from row 0 of kv, which is never read.
+                row_src.append(g_off if ok else kv_addr)
+                row_n.append(cutlass.Int32(16) if ok else cutlass.Int32(0))
+            for j in cutlass.range_constexpr(nk):
+                if wrapped != 0:
+                    cute.arch.mbarrier_wait(empty + pos, 1 - ph)
+                slab = ring_base + pos * SLAB_BYTES
+                for q in cutlass.range_constexpr(4):
+                    # column 64 j = byte 128 j of the row
+                    _cp_async_16(slab + dst_off[q], row_src[q] + 128 * j, row_n[q])
+                cute.arch.cp_async_mbarrier_arrive_noinc(full + pos)
+                pos = pos + 1
+                if pos == ring:
+                    pos = cutlass.Int32(0)
+                    ph = 1 - ph
+                    wrapped = cutlass.Int32(1)
+
+            # ---- advance --------------------------------------------------------------------
+            for q in cutlass.range_constexpr(4):
+                idx_cur[q] = idx_nxt[q]
+            if n_tok != tok:
+                qi = qi + 1
+                keff = cutlass.min(K, cutlass.max(len_nxt, 0))
+                nb = cutlass.max((keff + bn - 1) // bn, 1)
+                len_nxt = cutlass.Int32(0)
+                if n_tok + 1 < tok_end:
+                    len_nxt = mLen[n_tok + 1]
+            tok = n_tok
+            blk = n_blk
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+
+    # ------------------------------------------------------------------ consumer
+    @cute.jit
+    def _consume(self, mIdx, mLen, mSink, mO, mLse, H, S, K, scale_log2, q_sw, ring_sw, sP,
+                 sMax, sSum, mbar, sQ_layout, sK_layout, sVt_layout, qk_mma, pv_mma,
+                 tok_begin, tok_end, gtid):
+        bn, np_, nc, nk, ring = self.bn, self.np_, self.nc, self.nk, self.ring
+        warp = gtid // 32
+        lane = gtid % 32
+        full = mbar
+        empty = mbar + ring
+        qfull = mbar + 2 * ring
+        qempty = mbar + 2 * ring + 2
+        q_elems = cute.cosize(sQ_layout)
+        slab_elems = cute.cosize(sK_layout)
+
+        thr_qk = qk_mma.get_slice(gtid)
+        thr_pv = pv_mma.get_slice(gtid)
+        acc_S_shape = thr_qk.partition_shape_C((bn, np_))
+        acc_O_shape = thr_pv.partition_shape_C((64, np_))
+        # (key, head) of this thread's S^T values; (d within an m-tile, head) of its O^T values.
+        tScS = self._acc_mn_view(thr_qk.partition_C(cute.make_identity_tensor((bn, np_))))
+        tOcO = self._acc_mn_view(thr_pv.partition_C(cute.make_identity_tensor((64, np_))))
+        tOrP = thr_pv.make_fragment_B(thr_pv.partition_B(sP))
+        acc_O = [thr_pv.make_fragment_C(acc_O_shape) for _ in range(self.nv_slabs)]
+        O_mn = [self._acc_mn_view(a) for a in acc_O]
+        n_orows = cute.size(O_mn[0], mode=[0])
+        col_max = cute.make_rmem_tensor(nc, cutlass.Float32)
+        col_sum = cute.make_rmem_tensor(nc, cutlass.Float32)
+        corr_r = cute.make_rmem_tensor(nc, cutlass.Float32)
+        key0 = tScS[0, 0][0]
+        key1 = tScS[1, 0][0]
+
+        tok = tok_begin
+        blk = cutlass.Int32(0)
+        keff = cutlass.min(K, cutlass.max(mLen[tok], 0))
+        nb = cutlass.max((keff + bn - 1) // bn, 1)
+        len_nxt = cutlass.Int32(0)
+        if tok + 1 < tok_end:
+            len_nxt = mLen[tok + 1]
+        iv0 = cutlass.Int32(-1)
+        iv1 = cutlass.Int32(-1)
+        tok_k = cutlass.Int64(tok) * cutlass.Int64(K)
+        if key0 < keff:
+            iv0 = mIdx[tok_k + cutlass.Int64(key0)]
+        if key1 < keff:
+            iv1 = mIdx[tok_k + cutlass.Int64(key1)]
+        pos0 = cutlass.Int32(0)  # ring position of the block's first slab
+        ph0 = cutlass.Int32(0)  # parity of its use count
+        qi = cutlass.Int32(0)
+
+        while tok < tok_end:
+            n_tok = tok
+            n_blk = blk + 1
+            if n_blk == nb:
+                n_tok = tok + 1
+                n_blk = cutlass.Int32(0)
+            # Indices of my two keys in the next block (loaded a block ahead).
+            n_keff = keff
+            if n_tok != tok:
+                n_keff = cutlass.min(K, cutlass.max(len_nxt, 0))
+            nv0 = cutlass.Int32(-1)
+            nv1 = cutlass.Int32(-1)
+            if n_tok < tok_end:
+                n_k = cutlass.Int64(n_tok) * cutlass.Int64(K)
+                if n_blk * bn + key0 < n_keff:
+                    nv0 = mIdx[n_k + cutlass.Int64(n_blk * bn + key0)]
+                if n_blk * bn + key1 < n_keff:
+                    nv1 = mIdx[n_k + cutlass.Int64(n_blk * bn + key1)]
+
+            qb = qi % 2
+            if blk == 0:
+                cute.arch.mbarrier_wait(qfull + qb, (qi // 2) % 2)
+                for m in cutlass.range_constexpr(self.nv_slabs):
+                    acc_O[m].fill(0.0)
+                col_max.fill(-cutlass.Float32.inf)
+                col_sum.fill(0.0)
+            sQs = cute.make_tensor(q_sw + cute.assume(qb * q_elems, divby=512), sQ_layout)
+            tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(sQs))
+
+            # ---- S^T = K . Q^T over the block's nk slabs --------------------------------
+            # (All waits first: a wait loop between two wgmmas makes ptxas serialize them.)
+            for j in cutlass.range_constexpr(nk):
+                pj = pos0 + j
+                phj = ph0
+                if pj >= ring:
+                    pj = pj - ring
+                    phj = 1 - ph0
+                cute.arch.mbarrier_wait(full + pj, phj)
+            # cp.async data (generic proxy) -> wgmma (async proxy).
+            cute.arch.fence_proxy("async.shared", space="cta")
+            acc_S = thr_qk.make_fragment_C(acc_S_shape)
+            warpgroup.fence()
+            for j in cutlass.range_constexpr(nk):
+                pj = pos0 + j
+                if pj >= ring:
+                    pj = pj - ring
+                sKj = cute.make_tensor(
+                    ring_sw + cute.assume(pj * slab_elems, divby=4096), sK_layout
+                )
+                tSrK = thr_qk.make_fragment_A(thr_qk.partition_A(sKj))
+                for kk in cutlass.range_constexpr(4):
+                    qk_mma.set(warpgroup.Field.ACCUMULATE, j * 4 + kk != 0)
+                    cute.gemm(qk_mma, acc_S, tSrK[None, None, kk],
+                              tSrQ[None, None, 4 * j + kk], acc_S)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            if lane == 0:
+                if blk == nb - 1:
+                    cute.arch.mbarrier_arrive(qempty + qb)
+                if cutlass.const_expr(nk > self.nv_slabs):  # the rope slab: done
+                    pj = pos0 + self.nv_slabs
+                    if pj >= ring:
+                        pj = pj - ring
+                    cute.arch.mbarrier_arrive(empty + pj)
+
+            # ---- mask, online softmax over keys (rows) per head (column) ----------------
+            S_mn = self._acc_mn_view(acc_S)
+            base = blk * bn
+            ok0 = base + key0 < keff and iv0 >= 0 and iv0 < S
+            ok1 = base + key1 < keff and iv1 >= 0 and iv1 < S
+            for c in cutlass.range_constexpr(nc):
+                s0 = S_mn[0, c] * scale_log2
+                s1 = S_mn[1, c] * scale_log2
+                s0 = s0 if ok0 else -cutlass.Float32.inf
+                s1 = s1 if ok1 else -cutlass.Float32.inf
+                S_mn[0, c] = s0
+                S_mn[1, c] = s1
+                v = cute.arch.fmax(s0, s1)
+                v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=4))
+                v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=8))
+                v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=16))
+                if lane < 4:
+                    sMax[warp, tScS[0, c][1]] = v
+            cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=128)
+            for c in cutlass.range_constexpr(nc):
+                col = tScS[0, c][1]
+                m_blk = cute.arch.fmax(
+                    cute.arch.fmax(sMax[0, col], sMax[1, col]),
+                    cute.arch.fmax(sMax[2, col], sMax[3, col]),
+                )
+                m_prev = col_max[c]
+                m_new = cute.arch.fmax(m_prev, m_blk)
+                # Nothing valid so far: subtract 0 so exp2(-inf - (-inf)) never yields NaN.
+                m_use = 0.0 if m_new == -cutlass.Float32.inf else m_new
+                corr = cute.math.exp2(m_prev - m_use, fastmath=True)
+                p0 = cute.math.exp2(S_mn[0, c] - m_use, fastmath=True)
+                p1 = cute.math.exp2(S_mn[1, c] - m_use, fastmath=True)
+                col_sum[c] = col_sum[c] * corr + (p0 + p1)
+                col_max[c] = m_new
+                corr_r[c] = corr
+                sP[col, key0] = p0.to(self.dtype)
+                sP[col, key1] = p1.to(self.dtype)
+            # P^T (generic stores) -> wgmma.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=128)
+            for m in cutlass.range_constexpr(self.nv_slabs):
+                for c in cutlass.range_constexpr(nc):
+                    for r in cutlass.range_constexpr(n_orows):
+                        O_mn[m][r, c] = O_mn[m][r, c] * corr_r[c]
+
+            # ---- O^T[64 m : 64 m + 64] += V^T(slab m) . P^T, one commit group per 2 m ----
+            warpgroup.fence()
+            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+            for mp in cutlass.range_constexpr(self.nv_slabs // 2):
+                for mi in cutlass.range_constexpr(2):
+                    m = 2 * mp + mi
+                    pj = pos0 + m
+                    if pj >= ring:
+                        pj = pj - ring
+                    sVt = cute.make_tensor(
+                        ring_sw + cute.assume(pj * slab_elems, divby=4096), sVt_layout
+                    )
+                    tOrV = thr_pv.make_fragment_A(thr_pv.partition_A(sVt))
+                    for k in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
+                        cute.gemm(pv_mma, acc_O[m], tOrV[None, None, k], tOrP[None, None, k],
+                                  acc_O[m])
+                warpgroup.commit_group()
+            for mp in cutlass.range_constexpr(self.nv_slabs // 2):
+                warpgroup.wait_group(self.nv_slabs // 2 - 1 - mp)
+                if lane == 0:
+                    for mi in cutlass.range_constexpr(2):
+                        pj = pos0 + 2 * mp + mi
+                        if pj >= ring:
+                            pj = pj - ring
+                        cute.arch.mbarrier_arrive(empty + pj)
+            pos0 = pos0 + nk
+            if pos0 >= ring:
+                pos0 = pos0 - ring
+                ph0 = 1 - ph0
+
+            if blk == nb - 1:
+                # ---- epilogue of token tok -----------------------------------------------
+                for c in cutlass.range_constexpr(nc):
+                    v = col_sum[c]
+                    v = v + cute.arch.shuffle_sync_bfly(v, offset=4)
+                    v = v + cute.arch.shuffle_sync_bfly(v, offset=8)
+                    v = v + cute.arch.shuffle_sync_bfly(v, offset=16)
+                    if lane < 4:
+                        sSum[warp, tScS[0, c][1]] = v
+                cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=128)
+                tok_h = cutlass.Int64(tok) * cutlass.Int64(H)
+                for c in cutlass.range_constexpr(nc):
+                    h = tOcO[0, c][1]
+                    l = (sSum[0, h] + sSum[1, h]) + (sSum[2, h] + sSum[3, h])
+                    m_h = col_max[c]
+                    m_use = 0.0 if m_h == -cutlass.Float32.inf else m_h
+                    if h < H:
+                        # exp(sink - m) in the denominator only; sink = -inf adds exactly 0.
+                        denom = l + cute.math.exp2(mSink[h] * LOG2_E - m_use, fastmath=True)
+                        inv = 0.0 if denom <= 0.0 else 1.0 / denom
+                        o_row = tok_h + cutlass.Int64(h)
+                        for mt in cutlass.range_constexpr(self.nv_slabs):
+                            for r in cutlass.range_constexpr(n_orows):
+                                mO[o_row, 64 * mt + tOcO[r, c][0]] = (
+                                    O_mn[mt][r, c] * inv
+                                ).to(self.dtype)
+                        if warp == 0 and lane < 4:
+                            lse = -cutlass.Float32.inf
+                            if l > 0.0:
+                                lse = (m_use + cute.math.log2(l)) * LN_2
+                            mLse[o_row] = lse
+
+            # ---- advance --------------------------------------------------------------------
+            iv0 = nv0
+            iv1 = nv1
+            if n_tok != tok:
+                qi = qi + 1
+                keff = cutlass.min(K, cutlass.max(len_nxt, 0))
+                nb = cutlass.max((keff + bn - 1) // bn, 1)
+                len_nxt = cutlass.Int32(0)
+                if n_tok + 1 < tok_end:
+                    len_nxt = mLen[n_tok + 1]
+            tok = n_tok
+            blk = n_blk
+
+    # ------------------------------------------------------------------ kernel
     @cute.kernel
     def kernel(
         self,
@@ -181,272 +592,59 @@ class _SmallHKernel(SparseMlaFwdSm90):
         scale_log2: cutlass.Float32,
         swz: cute.Swizzle,
         sQ_layout: cute.Layout,
-        sKV_layout: cute.Layout,
+        sK_layout: cute.Layout,
         sVt_layout: cute.Layout,
         sP_layout: cute.Layout,
         qk_mma: cute.TiledMma,
         pv_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
-        bn, np_, nc = self.bn, self.np_, self.nc
+        bn, np_, nc, nk, ring = self.bn, self.np_, self.nc, self.nk, self.ring
         tidx, _, _ = cute.arch.thread_idx()
         bx, _, _ = cute.arch.block_idx()
         wg = tidx // 128
         gtid = tidx % 128
         warp = gtid // 32
         lane = tidx % 32
-        crow = tidx // self.tpr
-        csub = tidx % self.tpr
 
         tok_begin = bx * tpc
         tok_end = cutlass.min(tok_begin + tpc, BT)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        q_sw = cute.recast_ptr(storage.sQ.data_ptr(), swizzle_=swz)
-        kv_raw = storage.sKV.data_ptr()
-        kv_sw = cute.recast_ptr(kv_raw, swizzle_=swz)
-        stage_elems = cute.cosize(sKV_layout)
-        q_elems = cute.cosize(sQ_layout)
-        sValid = storage.sValid.get_tensor(cute.make_layout(2 * bn))
-        sX = storage.sXP.get_tensor(cute.make_layout((self.nv, 128), stride=(128, 1)))
-        sP = cute.make_tensor(
-            cute.recast_ptr(storage.sXP.data_ptr(), swizzle_=swz, dtype=self.dtype), sP_layout
-        )
-        sMax = storage.sMax.get_tensor(cute.make_layout((4, np_), stride=(np_, 1)))
-        p_floats = np_ * self.bn // 2  # P^T's bytes in fp32 units
-        sCorr = cute.make_tensor(storage.sXP.data_ptr() + p_floats, cute.make_layout(np_))
-        # Per-warp column sums of the epilogue; sMax is dead by then (read before the pre-PV barrier).
-        sL = storage.sMax.get_tensor(cute.make_layout((4, np_), stride=(np_, 1)))
-        sM = cute.make_tensor(storage.sXP.data_ptr() + (p_floats + np_), cute.make_layout(np_))
+        mbar = storage.mbar.data_ptr()
+        full = mbar
+        empty = mbar + ring
+        qfull = mbar + 2 * ring
+        qempty = mbar + 2 * ring + 2
 
-        cp_atom = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-            self.dtype,
-            num_bits_per_copy=128,
-        )
-        st_atom = cute.make_copy_atom(
-            cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
-        )
+        if tidx == 0:
+            for i in cutlass.range_constexpr(ring):
+                cute.arch.mbarrier_init(full + i, 128)
+                cute.arch.mbarrier_init(empty + i, 4)
+            for i in cutlass.range_constexpr(2):
+                cute.arch.mbarrier_init(qfull + i, 128)
+                cute.arch.mbarrier_init(qempty + i, 4)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
 
-        thr_qk = qk_mma.get_slice(gtid)
-        thr_pv = pv_mma.get_slice(gtid)
-        acc_S_shape = thr_qk.partition_shape_C((bn, np_))
-        # (key, head) of this thread's S^T values; (d, head) of its O^T values.
-        tScS = self._acc_mn_view(thr_qk.partition_C(cute.make_identity_tensor((bn, np_))))
-        tOcO = self._acc_mn_view(
-            thr_pv.partition_C(cute.make_identity_tensor((self.dv_g, np_)))
-        )
-        acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.dv_g, np_)))
-        acc_O.fill(0.0)
-        O_mn = self._acc_mn_view(acc_O)
-        n_orows = cute.size(O_mn, mode=[0])
-        col_max = cute.make_rmem_tensor(nc, cutlass.Float32)
-        col_sum = cute.make_rmem_tensor(nc, cutlass.Float32)
-        corr_r = cute.make_rmem_tensor(nc, cutlass.Float32)
-        col_max.fill(-cutlass.Float32.inf)
-        col_sum.fill(0.0)
-
-        # ---- stream cursor: current block (c_*) and the block being prefetched (p_*) ----------
-        c_tok = tok_begin
-        c_blk = cutlass.Int32(0)
-        c_keff = cutlass.min(K, cutlass.max(mLen[c_tok], 0))
-        c_nb = cutlass.max((c_keff + bn - 1) // bn, 1)
-        c_q = cutlass.Int32(0)
-        stage = cutlass.Int32(0)
-
-        self._issue(mQ, mKV, mIdx, sValid, q_sw, kv_sw, sQ_layout, sKV_layout, cp_atom,
-                    c_tok, c_blk, c_keff, c_q, stage, T, H, S, K, tidx, crow, csub)
-        cute.arch.cp_async_commit_group()
-
-        # Next block after the current one.
-        p_tok = c_tok
-        p_blk = c_blk + 1
-        p_keff = c_keff
-        p_nb = c_nb
-        p_q = c_q
-        if p_blk == c_nb:
-            p_tok = c_tok + 1
-            p_blk = cutlass.Int32(0)
-            p_q = 1 - c_q
-            p_keff = cutlass.Int32(0)
-            p_nb = cutlass.Int32(1)
-            if p_tok < tok_end:
-                p_keff = cutlass.min(K, cutlass.max(mLen[p_tok], 0))
-                p_nb = cutlass.max((p_keff + bn - 1) // bn, 1)
-
-        while c_tok < tok_end:
-            if p_tok < tok_end:
-                self._issue(mQ, mKV, mIdx, sValid, q_sw, kv_sw, sQ_layout, sKV_layout, cp_atom,
-                            p_tok, p_blk, p_keff, p_q, 1 - stage, T, H, S, K, tidx, crow, csub)
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(1)
-            # Generic-proxy writes (cp.async, zero fills) -> visible to wgmma (async proxy).
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.sync_threads()
-
-            # ---- S^T partial = K . Q^T over this warpgroup's half of Dqk ------------------------
-            sKs = cute.make_tensor(
-                kv_sw + cute.assume(stage * stage_elems, divby=512), sKV_layout
+        if wg == 1:
+            # ================================ producer =================================
+            self._produce(mQ, mKV, mIdx, mLen, storage.sQ.data_ptr().toint(),
+                          storage.sRing.data_ptr().toint(), mbar, T, H, S, K,
+                          tok_begin, tok_end, gtid)
+        else:
+            # ================================ consumer =================================
+            q_sw = cute.recast_ptr(storage.sQ.data_ptr(), swizzle_=swz)
+            ring_sw = cute.recast_ptr(storage.sRing.data_ptr(), swizzle_=swz)
+            sP = cute.make_tensor(
+                cute.recast_ptr(storage.sP.data_ptr(), swizzle_=swz), sP_layout
             )
-            sQs = cute.make_tensor(q_sw + cute.assume(c_q * q_elems, divby=512), sQ_layout)
-            tSrK = thr_qk.make_fragment_A(thr_qk.partition_A(sKs))
-            tSrQ = thr_qk.make_fragment_B(thr_qk.partition_B(sQs))
-            acc_S = thr_qk.make_fragment_C(acc_S_shape)
-            warpgroup.fence()
-            k0 = wg * self.ks_half
-            for kk in cutlass.range_constexpr(self.ks_half):
-                qk_mma.set(warpgroup.Field.ACCUMULATE, kk != 0)
-                cute.gemm(qk_mma, acc_S, tSrK[None, None, k0 + kk], tSrQ[None, None, k0 + kk],
-                          acc_S)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-
-            if wg == 1:
-                for i in cutlass.range_constexpr(self.nv):
-                    sX[i, gtid] = acc_S[i]
-            cute.arch.sync_threads()
-
-            if wg == 0:
-                # ---- full S^T, mask, online softmax over keys (rows) per head (column) -------
-                for i in cutlass.range_constexpr(self.nv):
-                    acc_S[i] = acc_S[i] + sX[i, gtid]
-                S_mn = self._acc_mn_view(acc_S)
-                for r in cutlass.range_constexpr(2):
-                    if sValid[stage * bn + tScS[r, 0][0]] == 0:
-                        for c in cutlass.range_constexpr(nc):
-                            S_mn[r, c] = -cutlass.Float32.inf
-                for c in cutlass.range_constexpr(nc):
-                    S_mn[0, c] = S_mn[0, c] * scale_log2
-                    S_mn[1, c] = S_mn[1, c] * scale_log2
-                    v = cute.arch.fmax(S_mn[0, c], S_mn[1, c])
-                    v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=4))
-                    v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=8))
-                    v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=16))
-                    if lane < 4:
-                        sMax[warp, tScS[0, c][1]] = v
-                # All of warpgroup 0 has read sX (aliased by sP) and written sMax.
-                cute.arch.barrier(barrier_id=1, number_of_threads=128)
-                for c in cutlass.range_constexpr(nc):
-                    col = tScS[0, c][1]
-                    m_blk = cute.arch.fmax(
-                        cute.arch.fmax(sMax[0, col], sMax[1, col]),
-                        cute.arch.fmax(sMax[2, col], sMax[3, col]),
-                    )
-                    m_prev = col_max[c]
-                    m_new = cute.arch.fmax(m_prev, m_blk)
-                    # Nothing valid so far: subtract 0 so exp2(-inf - (-inf)) never yields NaN.
-                    m_use = 0.0 if m_new == -cutlass.Float32.inf else m_new
-                    corr = cute.math.exp2(m_prev - m_use, fastmath=True)
-                    p0 = cute.math.exp2(S_mn[0, c] - m_use, fastmath=True)
-                    p1 = cute.math.exp2(S_mn[1, c] - m_use, fastmath=True)
-                    col_sum[c] = col_sum[c] * corr + (p0 + p1)
-                    col_max[c] = m_new
-                    corr_r[c] = corr
-                    sP[col, tScS[0, c][0]] = p0.to(self.dtype)
-                    sP[col, tScS[1, c][0]] = p1.to(self.dtype)
-                    if warp == 0 and lane < 4:
-                        sCorr[col] = corr
-            # P^T (generic stores) -> wgmma.
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.sync_threads()
-            if wg == 1:
-                for c in cutlass.range_constexpr(nc):
-                    corr_r[c] = sCorr[tOcO[0, c][1]]
-            for c in cutlass.range_constexpr(nc):
-                for r in cutlass.range_constexpr(n_orows):
-                    O_mn[r, c] = O_mn[r, c] * corr_r[c]
-
-            # ---- O^T[256 wg : 256 wg + 256] += V^T . P^T ---------------------------------------
-            sVt = cute.make_tensor(
-                kv_sw + cute.assume(stage * stage_elems + wg * (bn * self.dv_g), divby=512),
-                sVt_layout,
-            )
-            tOrV = thr_pv.make_fragment_A(thr_pv.partition_A(sVt))
-            tOrP = thr_pv.make_fragment_B(thr_pv.partition_B(sP))
-            warpgroup.fence()
-            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-            for k in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
-                cute.gemm(pv_mma, acc_O, tOrV[None, None, k], tOrP[None, None, k], acc_O)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-
-            if c_blk == c_nb - 1:
-                # ---- epilogue of token c_tok -------------------------------------------------
-                if wg == 0:
-                    for c in cutlass.range_constexpr(nc):
-                        v = col_sum[c]
-                        v = v + cute.arch.shuffle_sync_bfly(v, offset=4)
-                        v = v + cute.arch.shuffle_sync_bfly(v, offset=8)
-                        v = v + cute.arch.shuffle_sync_bfly(v, offset=16)
-                        if lane < 4:
-                            sL[warp, tScS[0, c][1]] = v
-                            if warp == 0:
-                                sM[tScS[0, c][1]] = col_max[c]
-                # Also: both warpgroups' wgmmas on this stage are complete (reused for O below).
-                cute.arch.sync_threads()
-                tok64 = cutlass.Int64(c_tok)
-                for c in cutlass.range_constexpr(nc):
-                    h = tOcO[0, c][1]
-                    l = (sL[0, h] + sL[1, h]) + (sL[2, h] + sL[3, h])
-                    m = sM[h]
-                    m_use = 0.0 if m == -cutlass.Float32.inf else m
-                    denom = l
-                    if h < H:
-                        # exp(sink - m) in the denominator only; sink = -inf adds exactly 0.
-                        denom = l + cute.math.exp2(mSink[h] * LOG2_E - m_use, fastmath=True)
-                    inv = 0.0 if denom <= 0.0 else 1.0 / denom
-                    for r in cutlass.range_constexpr(n_orows):
-                        O_mn[r, c] = O_mn[r, c] * inv
-                    if wg == 0 and warp == 0 and lane < 4 and h < H:
-                        lse = -cutlass.Float32.inf
-                        if l > 0.0:
-                            lse = (m_use + cute.math.log2(l)) * LN_2
-                        mLse[tok64 * cutlass.Int64(H) + cutlass.Int64(h)] = lse
-                # O^T -> O (NP x 512, row pitch 512 + O_PITCH) in the consumed stage.
-                sO = cute.make_tensor(
-                    kv_raw + cute.assume(stage * stage_elems, divby=512),
-                    cute.make_layout((np_, self.d_v), stride=(self.d_v + O_PITCH, 1)),
-                )
-                for c in cutlass.range_constexpr(nc):
-                    for r in cutlass.range_constexpr(n_orows):
-                        sO[tOcO[r, c][1], wg * self.dv_g + tOcO[r, c][0]] = O_mn[r, c].to(
-                            self.dtype
-                        )
-                cute.arch.sync_threads()
-                n_ch = self.d_v // 8
-                for i in cutlass.range_constexpr(np_ * n_ch // self.threads):
-                    flat = tidx + self.threads * i
-                    h = flat // n_ch
-                    ch = flat - h * n_ch
-                    if h < H:
-                        o_row = tok64 * cutlass.Int64(H) + cutlass.Int64(h)
-                        cute.copy(st_atom, self._chunk(sO, h, ch), self._chunk(mO, o_row, ch))
-                acc_O.fill(0.0)
-                col_max.fill(-cutlass.Float32.inf)
-                col_sum.fill(0.0)
-            # This stage, sP/sX, sCorr, sL, sM may now be overwritten.
-            cute.arch.sync_threads()
-
-            # ---- advance: current <- prefetched, prefetched <- its successor ----------------
-            c_tok = p_tok
-            c_blk = p_blk
-            c_keff = p_keff
-            c_nb = p_nb
-            c_q = p_q
-            stage = 1 - stage
-            p_blk = p_blk + 1
-            if p_blk == c_nb:
-                p_tok = p_tok + 1
-                p_blk = cutlass.Int32(0)
-                p_q = 1 - p_q
-                p_keff = cutlass.Int32(0)
-                p_nb = cutlass.Int32(1)
-                if p_tok < tok_end:
-                    p_keff = cutlass.min(K, cutlass.max(mLen[p_tok], 0))
-                    p_nb = cutlass.max((p_keff + bn - 1) // bn, 1)
-
-        cute.arch.cp_async_wait_group(0)
+            sMax = storage.sMax.get_tensor(cute.make_layout((4, np_), stride=(np_, 1)))
+            sSum = storage.sSum.get_tensor(cute.make_layout((4, np_), stride=(np_, 1)))
+            self._consume(mIdx, mLen, mSink, mO, mLse, H, S, K, scale_log2, q_sw, ring_sw, sP,
+                          sMax, sSum, mbar, sQ_layout, sK_layout, sVt_layout, qk_mma, pv_mma,
+                          tok_begin, tok_end, gtid)
 
 
 class SparseMlaFwdSmallHSm90:
