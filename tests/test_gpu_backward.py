@@ -1,4 +1,6 @@
 """The Hopper backward kernel (dq, dkv) against the float64 oracle and the reference (GPU only)."""
+import zlib
+
 import numpy as np
 import pytest
 
@@ -61,7 +63,7 @@ def _grads(p, dtype, impl, w_o, w_lse, deterministic=False):
 def test_backward_kernel_matches_oracle_and_reference(case):
   _kernel_or_skip()
   b, t, h, d, s, k, sink, topk = case
-  rng = np.random.default_rng(abs(hash(case)) % 2**32)
+  rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
   p = make_problem(rng, b, t, h, d, s, k, sink=sink, topk=topk)
   w_o = rng.standard_normal((b, t, h, 512)).astype(np.float32)
   w_lse = rng.standard_normal((b, t, h)).astype(np.float32)
@@ -124,7 +126,7 @@ def test_deterministic_backward_matches_oracle(case, monkeypatch):
   if ws_tokens is not None:
     n_hb = -(-h // 64)
     monkeypatch.setattr(_native, "DET_WORKSPACE_BYTES", ws_tokens * k * n_hb * d * 4)
-  rng = np.random.default_rng(abs(hash(case)) % 2**32)
+  rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
   p = make_problem(rng, b, t, h, d, s, k, sink=sink, topk=topk)
   w_o = rng.standard_normal((b, t, h, 512)).astype(np.float32)
   w_lse = rng.standard_normal((b, t, h)).astype(np.float32)

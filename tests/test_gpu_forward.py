@@ -4,6 +4,7 @@ Outputs are poisoned: the FFI handler's test switch fills o and lse with NaN on 
 before the launch, so an element the kernel fails to write reads NaN.
 """
 import functools
+import zlib
 
 import numpy as np
 import pytest
@@ -59,7 +60,7 @@ def _run_kernel(p, dtype):
 def test_forward_kernel_matches_oracle(case):
   _kernel_or_skip()
   b, t, h, d, s, k, sink, topk = case
-  p = make_problem(np.random.default_rng(abs(hash(case)) % 2**32), b, t, h, d, s, k,
+  p = make_problem(np.random.default_rng(zlib.crc32(repr(case).encode())), b, t, h, d, s, k,
                    sink=sink, topk=topk)
   q, kv, o, lse = _run_kernel(p, jnp.bfloat16)
   o_ref, lse_ref = oracle.numpy_forward(np.asarray(q, np.float32), np.asarray(kv, np.float32),

@@ -3,6 +3,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import zlib
+
 import numpy as np
 import pytest
 
@@ -38,7 +40,7 @@ def _loss_weights(rng, p):
     *c[:6], "-sink" if c[6] else "", c[7]))
 def test_forward_and_grads_fp32_match_float64_oracle(case):
   b, t, h, d, s, k, sink, topk = case
-  rng = np.random.default_rng(abs(hash(case)) % 2**32)
+  rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
   p = make_problem(rng, b, t, h, d, s, k, sink=sink, topk=topk)
   o, lse = _run(p)
   o_ref, lse_ref = oracle.numpy_forward(p.q, p.kv, p.idx, p.lengths, p.sink, p.scale, p.d_v)
