@@ -129,13 +129,15 @@ cudaError_t LoadAllBwd() {
 }
 
 // Backward variant: JAX_DSA_BWD_IMPL (read once) = "wgmma" (sparse_mla_bwd_wgmma.py, the
-// default) or "mma" (sparse_mla_bwd.py, mma.sync). Export prefix:
-// jax_dsa_bwd<tag>[det]_<dtype>_d<Dqk> with tag "wg" for wgmma and "" for mma.
+// default), "mma" (sparse_mla_bwd.py, mma.sync) or the tag of a candidate built with
+// tools/build_kernels.py --experimental. Export prefix: jax_dsa_bwd<tag>[det]_<dtype>_d<Dqk> with
+// tag "wg" for wgmma and "" for mma.
 std::string BwdTag() {
   static const std::string tag = [] {
     const char* e = std::getenv("JAX_DSA_BWD_IMPL");
     const std::string impl = e ? e : "";
-    return impl == "mma" ? std::string() : std::string("wg");
+    if (impl.empty() || impl == "default" || impl == "wgmma") return std::string("wg");
+    return impl == "mma" ? std::string() : impl;
   }();
   return tag;
 }

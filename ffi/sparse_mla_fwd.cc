@@ -75,9 +75,9 @@ cudaError_t LoadAll() {
 
 // Kernel variant. By default H <= 32 (tensor-parallel shards) runs the small-H kernel (heads on
 // wgmma's N side) and larger H the warp-specialized wgmma kernel (ws). JAX_DSA_FWD_IMPL (read
-// once) forces one variant for every H: ws, wgmma, mma (mma.sync), wgmmasplit, smallh (H <= 32
-// only) or simt (plain cross-check). Export prefix: jax_dsa_fwd<tag>_<dtype>_d<Dqk>, where mma
-// has the empty tag.
+// once) forces one variant for every H: ws, smallh (H <= 32 only), wgmma (64-head tiles, no
+// producer warps), simt (plain cross-check), or a candidate built with
+// tools/build_kernels.py --experimental. Export prefix: jax_dsa_fwd<tag>_<dtype>_d<Dqk>.
 constexpr int64_t kSmallHeads = 32;
 
 const std::string& ForcedImpl() {
@@ -91,7 +91,7 @@ const std::string& ForcedImpl() {
 std::string FwdTag(int64_t heads) {
   const std::string& forced = ForcedImpl();
   if (forced.empty() || forced == "default") return heads <= kSmallHeads ? "smallh" : "ws";
-  return forced == "mma" ? std::string() : forced;
+  return forced;
 }
 
 LaunchFn FindFwd(const std::string& tag, bool bf16, int64_t d_qk) {

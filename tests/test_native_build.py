@@ -21,8 +21,10 @@ def test_import_and_is_available_never_raise():
 def test_library_loads_and_exports_handlers():
   assert _native.is_available()
   lib = ctypes.CDLL(_native.LIB_PATH)
-  for sym in ("JaxDsaSparseMlaFwdSm90", "JaxDsaInit"):
+  for sym in ("JaxDsaSparseMlaFwdSm90", "JaxDsaInit", "JaxDsaSparseMlaBwdSm90",
+              "JaxDsaSparseMlaBwdDeterministicSm90", "JaxDsaBwdInit", "JaxDsaBwdNumKernels"):
     assert getattr(lib, sym) is not None
+  assert _native.has_backward() and _native.has_backward(deterministic=True)
 
 
 @needs_lib

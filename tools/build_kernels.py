@@ -24,19 +24,29 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIB_NAME = "libjax_dsa_sm90.so"
 
-# Forward variants: export-prefix tag -> (kernel module, compile function). "" is the default
-# (tensor-core) kernel; the others are selected at run time with JAX_DSA_FWD_IMPL=<tag>.
+# Forward variants: export-prefix tag -> (kernel module, compile function). By default the FFI
+# handler runs "smallh" for H <= 32 and "ws" above; JAX_DSA_FWD_IMPL=<tag> forces another one.
+# (sparse_mla_fwd.py's mma.sync kernel and the wgmma split variant stay in the source as base
+# classes and history, no longer exported.)
 FWD_VARIANTS = {
-    "": ("sparse_mla_fwd", "compile_fwd"),
-    "simt": ("sparse_mla_fwd_simt", "compile_fwd_simt"),
-    "wgmma": ("sparse_mla_fwd_wgmma", "compile_fwd_wgmma"),
-    "wgmmasplit": ("sparse_mla_fwd_wgmma", "compile_fwd_wgmma_split"),
     "ws": ("sparse_mla_fwd_ws", "compile_fwd_ws"),
     "smallh": ("sparse_mla_fwd_smallh", "compile_fwd_smallh"),
+    "wgmma": ("sparse_mla_fwd_wgmma", "compile_fwd_wgmma"),
+    "simt": ("sparse_mla_fwd_simt", "compile_fwd_simt"),
 }
+# Backward variants, each exported in atomic and deterministic form: "wg" (wgmma, the default)
+# and "" (mma.sync, JAX_DSA_BWD_IMPL=mma).
 BWD_VARIANTS = {
-    "": ("sparse_mla_bwd", "compile_bwd"),
     "wg": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma"),
+    "": ("sparse_mla_bwd", "compile_bwd"),
+}
+# Candidates not yet validated on a GPU: built only with --experimental, selected with
+# JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>. A module that does not exist yet is skipped.
+EXPERIMENTAL_FWD = {
+    "ws2": ("sparse_mla_fwd_ws2", "compile_fwd_ws2"),
+}
+EXPERIMENTAL_BWD = {
+    "wg2": ("sparse_mla_bwd_wgmma2", "compile_bwd_wgmma2"),
 }
 # (dtype name, Dqk); one export per variant and spec.
 FWD_SPECS = [("bf16", 512), ("bf16", 576), ("f16", 512), ("f16", 576)]
@@ -85,16 +95,30 @@ def find_dialect_runtime():
     raise SystemExit("build_kernels: libcuda_dialect_runtime_static.a not found in nvidia-cutlass-dsl")
 
 
-def export_kernels(build_dir, only=None):
-    import cutlass
-
+def _variants(stable, experimental, use_experimental):
+    """(tag, compile function) pairs; experimental modules that do not exist are skipped."""
     import importlib
+
+    out = []
+    for tag, (mod_name, fn_name) in stable.items():
+        out.append((tag, getattr(importlib.import_module(f"jax_dsa.kernels.sm90.{mod_name}"),
+                                 fn_name)))
+    for tag, (mod_name, fn_name) in (experimental.items() if use_experimental else ()):
+        if not os.path.isfile(os.path.join(ROOT, "jax_dsa", "kernels", "sm90", mod_name + ".py")):
+            log(f"experimental {mod_name} not present: skipped")
+            continue
+        out.append((tag, getattr(importlib.import_module(f"jax_dsa.kernels.sm90.{mod_name}"),
+                                 fn_name)))
+    return out
+
+
+def export_kernels(build_dir, only=None, experimental=False):
+    import cutlass
 
     sys.path.insert(0, ROOT)
     dtypes = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
     prefixes = []
-    for tag, (mod_name, fn_name) in FWD_VARIANTS.items():
-        compile_fn = getattr(importlib.import_module(f"jax_dsa.kernels.sm90.{mod_name}"), fn_name)
+    for tag, compile_fn in _variants(FWD_VARIANTS, EXPERIMENTAL_FWD, experimental):
         for dname, d in FWD_SPECS:
             prefix = f"jax_dsa_fwd{tag}_{dname}_d{d}"
             if only and not any(o in prefix for o in only):
@@ -106,12 +130,8 @@ def export_kernels(build_dir, only=None):
             prefixes.append(prefix)
     from jax_dsa.kernels.sm90.sparse_mla_dkv_reduce import compile_dkv_reduce
 
-    # Backward variants: export-prefix tag -> (module, compile function); each is built in
-    # atomic and deterministic (tag + "det") form. "" is sparse_mla_bwd (mma.sync), "wg" the
-    # wgmma kernel; ffi/sparse_mla_bwd.cc picks one (JAX_DSA_BWD_IMPL).
     jobs = []
-    for tag, (mod_name, fn_name) in BWD_VARIANTS.items():
-        compile_fn = getattr(importlib.import_module(f"jax_dsa.kernels.sm90.{mod_name}"), fn_name)
+    for tag, compile_fn in _variants(BWD_VARIANTS, EXPERIMENTAL_BWD, experimental):
         for dname, d in FWD_SPECS:  # the backward has the same (dtype, Dqk) list
             for det in (False, True):
                 jobs.append((f"jax_dsa_bwd{tag}{'det' if det else ''}_{dname}_d{d}",
@@ -148,6 +168,8 @@ def main():
     ap.add_argument("--build-dir", default=os.path.join(ROOT, ".kbuild"))
     ap.add_argument("--cxx", default=os.environ.get("CXX", "g++"))
     ap.add_argument("--only", nargs="*", help="substrings of the export prefixes to build")
+    ap.add_argument("--experimental", action="store_true",
+                    help="also build the not-yet-validated candidate variants (EXPERIMENTAL_*)")
     ap.add_argument("--relink", action="store_true",
                     help="reuse the kernel exports already in --build-dir (after an edit of ffi/)")
     args = ap.parse_args()
@@ -175,7 +197,7 @@ def main():
                     if os.path.basename(h).startswith("jax_dsa_") and h.endswith(".h")
                     and not h.endswith("jax_dsa_kernels.h")]
     else:
-        prefixes = export_kernels(args.build_dir, args.only)
+        prefixes = export_kernels(args.build_dir, args.only, args.experimental)
     write_index_header(args.build_dir, prefixes)
 
     kernel_objs = sorted(os.path.join(args.build_dir, p + ".o") for p in prefixes)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """GPU sanity check and timing of the AOT-built sparse MLA forward (jax_dsa/_lib must be built).
 
-    python tools/gpu_smoke_fwd.py [--skip-timing] [--impl {mma,wgmma,wgmmasplit,simt,all}]
+    python tools/gpu_smoke_fwd.py [--skip-timing] [--impl {ws,smallh,wgmma,simt,<candidate>,all}]
 
 --impl all runs every variant in its own process (the handler reads JAX_DSA_FWD_IMPL once).
 
@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 from jax_dsa import _native  # noqa: E402
 
 D_V = 512
-IMPLS = ["mma", "wgmma", "wgmmasplit", "ws", "smallh", "simt"]
+IMPLS = ["ws", "smallh", "wgmma", "simt"]  # exported by default; candidates by tag
 
 
 @jax.jit
@@ -130,8 +130,9 @@ def main():
     ap.add_argument("--time-heads", default="64,128", help="head counts timed at D=512")
     ap.add_argument("--only", default="", help="comma-separated case ids to run (default: all)")
     ap.add_argument("--skip", default="", help="comma-separated case ids to leave out")
-    ap.add_argument("--impl", default="default", choices=IMPLS + ["all", "default"],
-                    help="kernel variant (sets JAX_DSA_FWD_IMPL)")
+    ap.add_argument("--impl", default="default",
+                    help="kernel variant (sets JAX_DSA_FWD_IMPL): " + ", ".join(IMPLS) +
+                    ", a candidate tag built with --experimental, all or default")
     args = ap.parse_args()
     if args.impl == "all":
         import subprocess

@@ -1,0 +1,854 @@
+"""Sparse MLA (DSA) backward for sm_90a with warpgroup MMA (wgmma), role-split warpgroups.
+
+Same math, inputs and contract as sparse_mla_bwd.SparseMlaBwdSm90 (v2, mma.sync); see its
+docstring. Per row (b, t, h) with the forward's lse and the caller's coef = [c, D']:
+
+    s_j = scale q.k_j,  p~_j = exp(s_j - lse) (0 for invalid entries / dead rows),
+    dP_j = dO.v_j,      dS_j = p~_j (c dP_j - D'),
+    dq = scale sum_j dS_j k_j,   dkv[row_j] += scale sum_h dS_j q_h  (+ sum_h c p~_j dO_h on :512)
+
+Grid: x = n_tok tokens starting at t_begin (bt = t_begin + blockIdx.x, b = bt // T), y = the
+ceil(H / 64) head blocks. 256 threads = 2 warpgroups with different roles (launched with
+min_blocks_per_mp=1, so each thread may use up to 255 registers):
+
+  WG0 ("score" group) per 64-row KV block n:
+      S  = Q  K^T   wgmma 64x64x16, A = Q (smem, resident), B = gathered KV (smem)
+      dP = dO V^T   wgmma 64x64x16, A = dO (smem, resident)
+      P~ = exp2(S scale log2e - lse log2e), masked per KV row; dS = P~ (c dP - D')
+      writes the 16-bit P (= c P~) and dS tiles (64 heads x 64 rows) to smem, arrives ds_full
+      dQ[:, 0:256] += dS K[:, 0:256]   wgmma 64x256x16 with dS as the REGISTER A operand
+      gathers columns [0, 256) of block n + 1 (16-byte cp.async; 8 threads per row)
+  WG1 ("dKV" group) per block n:
+      waits ds_full(n) and kv_full(n)
+      dQ[:, 256:Dqk] += dS K[:, 256:Dqk]   wgmma 64x256x16 (+ 64x64x16 for the rope), SS
+      gathers columns [256, Dqk) of block n + 1
+      dKV_n[:, 64ch:64ch+64] = dS^T Q_ch (+ P^T dO_ch for ch < 8), wgmma 64x64x16 with both
+          operands MN-major views of the same smem tiles (M = KV rows, K = heads), only
+          ceil(live_heads / 16) k-steps issued: padded heads cost no MMA here;
+          then each value pair is re-paired inside the quad (one butterfly shuffle) and added
+          with red.global.add.v4.f32 (or, deterministic, stored with st.global.v4.f32)
+      arrives ds_empty(n) (P/dS tiles and the row-index slot may be reused)
+
+  Each KV column range is refilled by the only group that still reads it: columns [0, 256) are
+  last read by WG0's dQ, [256, Dqk) by WG1's dQ (WG0's S/dP of that block finished before
+  ds_full). So there is no "kv empty" barrier; the refill of block n+1 overlaps WG1's dKV(n)
+  (the longest phase) and WG0's wait is only the gather latency not covered by that.
+  Synchronisation (mbarriers): kv_full (512 arrivals: every thread's cp.async.mbarrier.arrive
+  .noinc + a plain arrive releasing its zero fills / row flags), ds_full (128, WG0), ds_empty
+  (128, WG1). Generic-proxy writes (cp.async, st.shared) are published to wgmma with
+  fence.proxy.async (by the P/dS writers before ds_full, by every waiter after its wait).
+
+Shared memory (Dqk 576, 16-bit): Q 72 KB + dO 64 KB + one KV stage 72 KB + P 8 KB + dS 8 KB
++ row flags 0.5 KB = 224.5 KB (Dqk 512: 208.5 KB). Q and dO must stay resident (S, dP and dKV
+read them every block), so only one 64-row KV stage fits in 227 KB; the pipeline hides the
+gather behind the dKV phase instead of a second stage.
+
+Per-block cost estimate (64 live heads, Dqk 512 as benchmarked; tensor core peak
+~2048 bf16 FMA/clk/SM, H200 ~1.9 GHz):
+  WG0: S 2.10 M FMA + dP 2.10 M + dQ half 1.05 M = 5.24 M FMA  (~2560 clk at peak)
+  WG1: dQ half 1.05 M + dKV 4.19 M                = 5.24 M FMA  (~2560 clk at peak)
+  total 10.5 M FMA = 5120 clk at peak; both groups issue asynchronously and share the tensor
+  cores. WG0's critical path per block: S/dP + softmax-grad (~300 clk) + dQ half + exposed
+  gather latency (the refill starts after dQ(n); ~1-1.5 k clk from L2, overlapped with WG1's
+  dKV). Expected ~5.5-6.5 k clk per block at 64 heads (~55-60 % of peak MMA), i.e.
+  T = S = 4096, K = 640 (10 blocks / token, 310 blocks per SM at 132 SMs):
+  H = 64: ~0.9-1.1 ms of MMA; H = 128: 2x; H = 16: WG0's S/dP/dQ still cost 64 rows
+  (wgmma M = 64) while dKV drops to 1 of 4 k-steps: ~4.3 k clk / block, ~0.7 ms.
+  The dkv scatter (2 KB of fp32 RED per gathered row, 5.4 GB at this shape) is issued by WG1
+  between its MMAs and overlaps WG0's work; if L2 atomic throughput is ~2.5 TB/s it is a
+  ~2.2 ms floor at H = 64 / 16 (x2 at H = 128) -- the floor, not the MMAs, then decides.
+  smem operand traffic: SS wgmma 64x64x16 reads 4 KB per 32 clk (at the 128 B/clk limit),
+  64x256x16 10 KB per 128 clk; no ldmatrix traffic (v2: ~1.8 MB per block).
+
+Build facts (tools/check_bwd_wgmma_build.py, CuTe DSL 4.8.1, sm_90a): 246-248 registers, no
+stack / local memory, 208.5 KB (Dqk 512) / 224.5 KB (576) dynamic smem + 1 KB static; SASS
+HGMMA 64x64x16 (S, dP, dKV, rope dQ) and 64x256x16 (dQ, one RS + one SS), REDG.E.ADD.F32x4
+only (deterministic: STG.128 only). Two choices keep it spill-free: the dKV column-chunk loop is
+a runtime loop (unrolled, the invariant per-chunk state was hoisted out of the block loop and
+spilled ~1 KB), and the live-head count selects one of four straight-line wgmma groups (kh = 1..4
+k-steps; a wgmma under a per-k runtime condition is serialized by ptxas). Every MMA accumulates
+into zero-filled fragments (ptxas turns the first one into a non-accumulating HGMMA), so no
+ACCUMULATE flag is changed inside runtime control flow.
+
+Scaling: bf16 folds scale into dS before rounding (dq and the dS^T Q term carry it); fp16 keeps
+dS unscaled (range) and stores P as c P~ / scale (<= Dqk**0.5, finite in fp16), so that the
+whole dKV accumulator, and dQ, are multiplied by scale in fp32 afterwards.
+
+Heads h >= H: zero rows of Q / dO in smem (never read from global), p~ = 0 (lse = +inf), never
+stored. Dead rows (lse = -inf): all gradients 0. Invalid entries (j >= min(K, topk_length),
+idx < 0, idx >= S): their smem rows are zero-filled (never read from global), p~ = 0, and no
+RED / store is issued for them. All global offsets are 64-bit.
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+import cuda.bindings.driver as cuda
+
+LOG2_E = math.log2(math.e)
+
+
+@dsl_user_op
+def red_add_v4_f32(ptr, a, b, c, d, *, loc=None, ip=None):
+    """red.global.add.v4.f32 [ptr], {a, b, c, d} (sm_90; ptr 16-byte aligned global memory)."""
+    addr = ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
+    vals = [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)]
+    llvm.inline_asm(
+        None,
+        [addr] + vals,
+        "red.relaxed.gpu.global.add.v4.f32 [$0], {$1, $2, $3, $4};",
+        "l,f,f,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def st_global_v4_f32(ptr, a, b, c, d, *, loc=None, ip=None):
+    """st.global.v4.f32 [ptr], {a, b, c, d} (ptr 16-byte aligned global memory)."""
+    addr = ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
+    vals = [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)]
+    llvm.inline_asm(
+        None,
+        [addr] + vals,
+        "st.global.v4.f32 [$0], {$1, $2, $3, $4};",
+        "l,f,f,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def bulk_reduce_add_f32(gptr, sptr, nbytes: int, *, loc=None, ip=None):
+    """cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [gptr], [sptr], nbytes:
+    element-wise fp32 add of nbytes contiguous shared-memory bytes into global memory, done by
+    the copy engine (TMA). Both addresses 16-byte aligned, nbytes a multiple of 16 (PTX ISA,
+    sm_90). Completion is tracked per issuing thread by cp.async.bulk.commit_group /
+    wait_group."""
+    g = gptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
+    sa = sptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
+    n = cutlass.Int32(nbytes).ir_value(loc=loc, ip=ip)
+    llvm.inline_asm(
+        None,
+        [g, sa, n],
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        "l,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+# mbarrier slots
+KV_FULL = 0
+DS_FULL = 1
+DS_EMPTY = 2
+
+
+class SparseMlaBwdWgmma2Sm90:
+    def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False):
+        assert d_v == 512 and d_qk in (512, 576)
+        assert dtype in (cutlass.BFloat16, cutlass.Float16)
+        self.dtype = dtype
+        self.d_qk = d_qk
+        self.d_v = d_v
+        self.rope = d_qk - d_v  # 0 or 64
+        self.deterministic = deterministic
+        self.fold_scale = dtype is cutlass.BFloat16
+        self.bm = 64  # heads per CTA
+        self.bn = 64  # gathered KV rows per block
+        self.threads = 256
+        self.chunks = d_qk // 8  # 16-byte chunks per row
+        self.split_col = 256  # KV columns [0, 256) refilled by WG0, [256, Dqk) by WG1
+        self.g_tpr = 8  # gather threads per row (128 contiguous bytes per instruction)
+        self.g_rows = 128 // self.g_tpr  # rows per pass (16)
+        self.g_passes = self.bn // self.g_rows  # 4 rows per gather thread
+        self.c0_chunks = self.split_col // 8  # 32
+        self.c1_chunks = self.chunks - self.c0_chunks  # 40 or 32
+        assert self.c0_chunks % self.g_tpr == 0 and self.c1_chunks % self.g_tpr == 0
+        self.io_tpr = self.threads // self.bm  # 4 threads per row for Q / dO / dQ copies
+        self.n_ch = d_qk // 64  # dKV 64-column chunks (9 or 8)
+        self.skip_heads = True  # issue only ceil(live heads / 16) dKV k-steps
+        # dKV scatter by TMA bulk reduction (see the module docstring): atomic mode at Dqk 512
+        # only (Dqk 576 has no 16 KB of shared memory left; it keeps red.global.add.v4.f32).
+        self.bulk = (not deterministic) and d_qk == 512
+        # staging tile: 64 rows x 64 fp32, row R at float offset (R % 8) * 68 + (R // 8) * 512
+        # (256 B rows, skewed by 16 B per row mod 8: conflict-free 8-byte fragment stores,
+        # rows stay contiguous and 16-byte aligned for the bulk copy)
+        self.st_rows = self.bn
+        self.st_cols = 64
+        self.st_skew = 4  # floats
+        self.st_floats = 7 * (self.st_cols + self.st_skew) + 7 * 8 * self.st_cols + self.st_cols
+        if not self.bulk:
+            self.st_floats = 4  # unused placeholder
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mLen: cute.Tensor,
+        mLse: cute.Tensor,
+        mDO: cute.Tensor,
+        mCoef: cute.Tensor,
+        mDQ: cute.Tensor,
+        mDKV: cute.Tensor,
+        B: cutlass.Int32,
+        T: cutlass.Int32,
+        H: cutlass.Int32,
+        S: cutlass.Int32,
+        K: cutlass.Int32,
+        t_begin: cutlass.Int32,
+        n_tok: cutlass.Int32,
+        scale: cutlass.Float32,
+        stream: cuda.CUstream,
+    ):
+        dt = self.dtype
+        k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, dt)
+        mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, dt)
+        # K-major tiles (rows, cols with contiguous cols): (row, col) lives at
+        # (col // 64) * 64 * rows + (row // 8) * 512 + swz((row % 8) * 64 + col % 64).
+        sQ_layout = cute.tile_to_shape(k_atom, (self.bm, self.d_qk), (0, 1))
+        sDO_layout = cute.tile_to_shape(k_atom, (self.bm, self.d_v), (0, 1))  # also V = KV[:, :512]
+        sKV_layout = cute.tile_to_shape(k_atom, (self.bn, self.d_qk), (0, 1))
+        sT_layout = cute.tile_to_shape(k_atom, (64, 64), (0, 1))  # P / dS (heads x rows)
+        # MN-major views of the same bytes: (N or M = the contiguous dim, K = the rows).
+        sKt_layout = cute.tile_to_shape(mn_atom, (self.split_col, self.bn), (1, 0))  # 256 x 64
+        sTt_layout = cute.tile_to_shape(mn_atom, (64, 64), (1, 0))  # 64 x 64 transposed tile
+        # dQ staging (software only): element-unit 128 B swizzle.
+        o_atom = cute.make_composed_layout(
+            cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
+        )
+        sO_layout = cute.tile_to_shape(o_atom, (self.bm, self.d_qk), (0, 1))
+        sOh_layout = cute.tile_to_shape(o_atom, (self.bm, self.split_col), (0, 1))
+        sOr_layout = cute.tile_to_shape(o_atom, (self.bm, 64), (0, 1))
+
+        SharedStorage = self._shared_storage(sQ_layout, sDO_layout, sKV_layout, sT_layout)
+
+        K_ = warpgroup.OperandMajorMode.K
+        MN_ = warpgroup.OperandMajorMode.MN
+        F32 = cutlass.Float32
+        sdp_mma = sm90_utils.make_trivial_tiled_mma(dt, dt, K_, K_, F32, (1, 1, 1), (64, 64))
+        dq0_mma = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, K_, MN_, F32, (1, 1, 1), (64, self.split_col), warpgroup.OperandSource.RMEM
+        )
+        dq1_mma = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, K_, MN_, F32, (1, 1, 1), (64, self.split_col)
+        )
+        dqr_mma = sm90_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, F32, (1, 1, 1), (64, 64))
+        dkv_mma = sm90_utils.make_trivial_tiled_mma(dt, dt, MN_, MN_, F32, (1, 1, 1), (64, 64))
+
+        n_hb = (H + self.bm - 1) // self.bm
+        self.kernel(
+            mQ, mKV, mIdx, mLen, mLse, mDO, mCoef, mDQ, mDKV, T, H, S, K, t_begin, n_hb,
+            scale,
+            k_atom.inner, sQ_layout.outer, sDO_layout.outer, sKV_layout.outer,
+            sT_layout.outer, sKt_layout.outer, sTt_layout.outer,
+            sO_layout, sOh_layout, sOr_layout,
+            sdp_mma, dq0_mma, dq1_mma, dqr_mma, dkv_mma, SharedStorage,
+        ).launch(
+            grid=[n_tok, n_hb, 1],
+            block=[self.threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    def _shared_storage(self, sQ_layout, sDO_layout, sKV_layout, sT_layout):
+        dt = self.dtype
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sDO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sDO_layout)], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sT_layout)], 1024]
+            sDS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sT_layout)], 1024]
+            # fp32 dKV staging for the bulk reductions (a 16-byte placeholder otherwise)
+            sStage: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.st_floats], 128]
+            sRow: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * self.bn], 16]
+            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 4], 8]
+
+        return SharedStorage
+
+    # ---------------------------------------------------------------- helpers
+    @staticmethod
+    def _chunk(t: cute.Tensor, row, c) -> cute.Tensor:
+        """The 8 contiguous elements (16 B) t[row, 8c : 8c + 8] as a rank-1 tensor."""
+        return cute.local_tile(t, (1, 8), (row, c))[0, None]
+
+    @staticmethod
+    def _acc_mn_view(t: cute.Tensor) -> cute.Tensor:
+        """View a wgmma 64xN accumulator ((2 cols, 2 rows, N/8), 1, 1) as (rows, cols)."""
+        c = cute.make_layout(t.layout.shape)
+        mn = cute.make_layout(
+            ((c.shape[0][1], c.shape[1]), ((c.shape[0][0], c.shape[0][2]), c.shape[2])),
+            stride=(
+                (c.stride[0][1], c.stride[1]),
+                ((c.stride[0][0], c.stride[0][2]), c.stride[2]),
+            ),
+        )
+        return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
+
+    @cute.jit
+    def _load_idx(self, mIdx: cute.Tensor, idx_r: cute.Tensor, blk, k_eff: cutlass.Int32,
+                  idx_base: cutlass.Int64, grow: cutlass.Int32):
+        """idx_r[p] <- index of entry blk * 64 + grow + 16 p, or -1 past the valid length."""
+        for p in cutlass.range_constexpr(self.g_passes):
+            j = blk * self.bn + grow + self.g_rows * p
+            v = cutlass.Int32(-1)
+            if j < k_eff:
+                v = mIdx[idx_base + cutlass.Int64(j)]
+            idx_r[p] = v
+
+    @cute.jit
+    def _gather(self, mKV: cute.Tensor, sKV: cute.Tensor, cp_atom: cute.CopyAtom,
+                idx_r: cute.Tensor, S: cutlass.Int32, kv_batch: cutlass.Int64,
+                grow: cutlass.Int32, gsub: cutlass.Int32, c_lo: cutlass.Constexpr,
+                n_chunks: cutlass.Constexpr, sRow: cute.Tensor, slot,
+                write_rows: cutlass.Constexpr):
+        """Columns [8 c_lo, 8 (c_lo + n_chunks)) of the block's rows grow + 16 p: 16-byte
+        cp.async from kv[b, idx], or zeros for an invalid entry (never read from global)."""
+        for p in cutlass.range_constexpr(self.g_passes):
+            r = grow + self.g_rows * p
+            row = idx_r[p]
+            ok = row >= 0 and row < S
+            if cutlass.const_expr(write_rows):
+                if gsub == 0:
+                    sRow[slot * self.bn + r] = row if ok else cutlass.Int32(-1)
+            if ok:
+                g_row = kv_batch + cutlass.Int64(row)
+                for i in cutlass.range_constexpr(n_chunks // self.g_tpr):
+                    c = c_lo + gsub + self.g_tpr * i
+                    cute.copy(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKV, r, c))
+            else:
+                for i in cutlass.range_constexpr(n_chunks // self.g_tpr):
+                    self._chunk(sKV, r, c_lo + gsub + self.g_tpr * i).fill(0)
+
+    # ---------------------------------------------------------------- kernel
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mLen: cute.Tensor,
+        mLse: cute.Tensor,
+        mDO: cute.Tensor,
+        mCoef: cute.Tensor,
+        mDQ: cute.Tensor,
+        mDKV: cute.Tensor,
+        T: cutlass.Int32,
+        H: cutlass.Int32,
+        S: cutlass.Int32,
+        K: cutlass.Int32,
+        t_begin: cutlass.Int32,
+        n_hb: cutlass.Int32,
+        scale: cutlass.Float32,
+        swz: cute.Swizzle,
+        sQ_layout: cute.Layout,
+        sDO_layout: cute.Layout,
+        sKV_layout: cute.Layout,
+        sT_layout: cute.Layout,
+        sKt_layout: cute.Layout,
+        sTt_layout: cute.Layout,
+        sO_layout: cute.ComposedLayout,
+        sOh_layout: cute.ComposedLayout,
+        sOr_layout: cute.ComposedLayout,
+        sdp_mma: cute.TiledMma,
+        dq0_mma: cute.TiledMma,
+        dq1_mma: cute.TiledMma,
+        dqr_mma: cute.TiledMma,
+        dkv_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        bm, bn = self.bm, self.bn
+        d_qk, d_v = self.d_qk, self.d_v
+        tidx, _, _ = cute.arch.thread_idx()
+        tok, hb, _ = cute.arch.block_idx()
+        wg = tidx // 128
+        gtid = tidx % 128
+        h0 = hb * bm
+        bt32 = t_begin + tok
+        bt = cutlass.Int64(bt32)
+        b = bt32 // T
+        k_eff = cutlass.min(K, cutlass.max(mLen[bt], 0))
+        n_blocks = (k_eff + bn - 1) // bn
+        idx_base = bt * cutlass.Int64(K)
+        kv_batch = cutlass.Int64(b) * cutlass.Int64(S)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        q_base = storage.sQ.data_ptr()
+        q_sw = cute.recast_ptr(q_base, swizzle_=swz)
+        do_sw = cute.recast_ptr(storage.sDO.data_ptr(), swizzle_=swz)
+        kv_sw = cute.recast_ptr(storage.sKV.data_ptr(), swizzle_=swz)
+        p_sw = cute.recast_ptr(storage.sP.data_ptr(), swizzle_=swz)
+        ds_sw = cute.recast_ptr(storage.sDS.data_ptr(), swizzle_=swz)
+        sQ = cute.make_tensor(q_sw, sQ_layout)
+        sDO = cute.make_tensor(do_sw, sDO_layout)
+        sKV = cute.make_tensor(kv_sw, sKV_layout)
+        sV = cute.make_tensor(kv_sw, sDO_layout)
+        sP = cute.make_tensor(p_sw, sT_layout)
+        sDS = cute.make_tensor(ds_sw, sT_layout)
+        sRow = storage.sRow.get_tensor(cute.make_layout(2 * bn))
+        mbar = storage.mbar.data_ptr()
+
+        if tidx == 0:
+            cute.arch.mbarrier_init(mbar + KV_FULL, 2 * self.threads)
+            cute.arch.mbarrier_init(mbar + DS_FULL, 128)
+            cute.arch.mbarrier_init(mbar + DS_EMPTY, 128)
+        cute.arch.mbarrier_init_fence()
+
+        cp_atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+            self.dtype,
+            num_bits_per_copy=128,
+        )
+        # ---- Q and dO (padded heads zero-filled, never read) -------------------------------
+        crow = tidx // self.io_tpr
+        csub = tidx % self.io_tpr
+        q_ok = h0 + crow < H
+        q_row = bt * cutlass.Int64(H) + cutlass.Int64(h0 + crow)
+        if q_ok:
+            for i in cutlass.range_constexpr(self.chunks // self.io_tpr):
+                c = csub + self.io_tpr * i
+                cute.copy(cp_atom, self._chunk(mQ, q_row, c), self._chunk(sQ, crow, c))
+            for i in cutlass.range_constexpr(d_v // 8 // self.io_tpr):
+                c = csub + self.io_tpr * i
+                cute.copy(cp_atom, self._chunk(mDO, q_row, c), self._chunk(sDO, crow, c))
+        else:
+            for i in cutlass.range_constexpr(self.chunks // self.io_tpr):
+                self._chunk(sQ, crow, csub + self.io_tpr * i).fill(0)
+            for i in cutlass.range_constexpr(d_v // 8 // self.io_tpr):
+                self._chunk(sDO, crow, csub + self.io_tpr * i).fill(0)
+        cute.arch.sync_threads()  # mbarrier inits visible before any arrive
+
+        # ---- gather mapping: 8 threads per row, rows grow + 16 p ---------------------------
+        grow = gtid // self.g_tpr
+        gsub = gtid % self.g_tpr
+        idx_r = cute.make_rmem_tensor(self.g_passes, cutlass.Int32)
+        self._load_idx(mIdx, idx_r, 0, k_eff, idx_base, grow)
+        if n_blocks > 0:
+            if wg == 0:
+                self._gather(mKV, sKV, cp_atom, idx_r, S, kv_batch, grow, gsub, 0,
+                             self.c0_chunks, sRow, 0, True)
+            else:
+                self._gather(mKV, sKV, cp_atom, idx_r, S, kv_batch, grow, gsub,
+                             self.c0_chunks, self.c1_chunks, sRow, 0, False)
+            cute.arch.cp_async_mbarrier_arrive_noinc(mbar + KV_FULL)
+            cute.arch.mbarrier_arrive(mbar + KV_FULL)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()  # Q / dO visible to both groups (and to wgmma)
+
+        # live heads of this CTA -> dKV k-steps (K = heads)
+        hl = cutlass.min(H - h0, bm)
+        kh = (hl + 15) // 16
+
+        if wg == 0:
+            # ===================================== WG0 =====================================
+            thr_sdp = sdp_mma.get_slice(gtid)
+            thr_dq = dq0_mma.get_slice(gtid)
+            tSrQ = thr_sdp.make_fragment_A(thr_sdp.partition_A(sQ))
+            tSrK = thr_sdp.make_fragment_B(thr_sdp.partition_B(sKV))
+            tSrDO = thr_sdp.make_fragment_A(thr_sdp.partition_A(sDO))
+            tSrV = thr_sdp.make_fragment_B(thr_sdp.partition_B(sV))
+            sKt0 = cute.make_tensor(kv_sw, sKt_layout)
+            tQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKt0))
+            acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((bm, self.split_col)))
+            acc_dQ.fill(0.0)
+            acc_shape = thr_sdp.partition_shape_C((bm, bn))
+            tScS = self._acc_mn_view(thr_sdp.partition_C(cute.make_identity_tensor((bm, bn))))
+            n_rows = cute.size(tScS, mode=[0])
+            n_cols = cute.size(tScS, mode=[1])
+            # per-row constants: lse*log2e (+inf: p~ = 0 for dead / padded rows), c, D'
+            row_lse = cute.make_rmem_tensor(n_rows, cutlass.Float32)
+            row_c = cute.make_rmem_tensor(n_rows, cutlass.Float32)
+            row_d = cute.make_rmem_tensor(n_rows, cutlass.Float32)
+            row_pc = cute.make_rmem_tensor(n_rows, cutlass.Float32)  # P = p~ * row_pc
+            # P scale: c (bf16) or c / scale (fp16; dkv is multiplied by scale afterwards)
+            p_mul = cutlass.Float32(1.0)
+            if cutlass.const_expr(not self.fold_scale):
+                p_mul = 1.0 / scale
+            for r in cutlass.range_constexpr(n_rows):
+                h = h0 + tScS[r, 0][0]
+                lse2 = cutlass.Float32.inf
+                cc = cutlass.Float32(0.0)
+                dd = cutlass.Float32(0.0)
+                if h < H:
+                    rq = bt * cutlass.Int64(H) + cutlass.Int64(h)
+                    lse = mLse[rq]
+                    if lse > -cutlass.Float32.inf:
+                        lse2 = lse * LOG2_E
+                        cc = mCoef[rq * 2]
+                        dd = mCoef[rq * 2 + 1]
+                row_lse[r] = lse2
+                row_c[r] = cc
+                row_d[r] = dd
+                row_pc[r] = cc * p_mul
+                if cutlass.const_expr(self.fold_scale):
+                    row_c[r] = cc * scale
+                    row_d[r] = dd * scale
+            scale_log2 = scale * LOG2_E
+            r2s = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), sdp_mma
+            ).get_slice(gtid)
+
+            for blk in range(n_blocks):
+                slot = blk % 2
+                # next block's indices now; their latency hides behind the MMAs
+                self._load_idx(mIdx, idx_r, blk + 1, k_eff, idx_base, grow)
+                cute.arch.mbarrier_wait(mbar + KV_FULL, blk % 2)
+                cute.arch.fence_proxy("async.shared", space="cta")
+
+                acc_S = thr_sdp.make_fragment_C(acc_shape)
+                acc_dP = thr_sdp.make_fragment_C(acc_shape)
+                warpgroup.fence()
+                for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                    sdp_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+                    cute.gemm(sdp_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+                for k in cutlass.range_constexpr(cute.size(tSrDO, mode=[2])):
+                    sdp_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+                    cute.gemm(sdp_mma, acc_dP, tSrDO[None, None, k], tSrV[None, None, k],
+                              acc_dP)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+
+                S_mn = self._acc_mn_view(acc_S)
+                dP_mn = self._acc_mn_view(acc_dP)
+                for c in cutlass.range_constexpr(n_cols):
+                    valid = sRow[slot * bn + tScS[0, c][1]] >= 0
+                    for r in cutlass.range_constexpr(n_rows):
+                        e = cute.math.exp2(S_mn[r, c] * scale_log2 - row_lse[r], fastmath=True)
+                        p = cutlass.Float32(cutlass.select_(valid, e, cutlass.Float32(0.0)))
+                        # dS (bf16: times scale, folded into row_c / row_d)
+                        dP_mn[r, c] = p * (row_c[r] * dP_mn[r, c] - row_d[r])
+                        S_mn[r, c] = p * row_pc[r]
+                # 16-bit fragments: P (for sP) and dS (register A operand of dQ, and sDS)
+                rP = cute.make_fragment_like(acc_S, self.dtype)
+                rP.store(acc_S.load().to(self.dtype))
+                tQrDS = cute.make_rmem_tensor(thr_dq.partition_shape_A((bm, bn)), self.dtype)
+                rDS = cute.make_tensor(tQrDS.iterator, acc_dP.layout)
+                rDS.store(acc_dP.load().to(self.dtype))
+                # the previous block's dKV is done with sP / sDS (and its sRow slot)
+                if blk > 0:
+                    cute.arch.mbarrier_wait(mbar + DS_EMPTY, (blk - 1) % 2)
+                cute.copy(r2s, r2s.retile(rP), r2s.partition_D(sP))
+                cute.copy(r2s, r2s.retile(rDS), r2s.partition_D(sDS))
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.mbarrier_arrive(mbar + DS_FULL)
+
+                # dQ[:, 0:256] += dS K[:, 0:256] (dS from registers)
+                warpgroup.fence()
+                dq0_mma.set(warpgroup.Field.ACCUMULATE, True)
+                for k in cutlass.range_constexpr(cute.size(tQrDS, mode=[2])):
+                    cute.gemm(dq0_mma, acc_dQ, tQrDS[None, None, k], tQrK[None, None, k],
+                              acc_dQ)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+
+                # refill columns [0, 256) with block blk + 1 (last reader of them: this dQ)
+                if blk + 1 < n_blocks:
+                    self._gather(mKV, sKV, cp_atom, idx_r, S, kv_batch, grow, gsub, 0,
+                                 self.c0_chunks, sRow, 1 - slot, True)
+                    cute.arch.cp_async_mbarrier_arrive_noinc(mbar + KV_FULL)
+                    cute.arch.mbarrier_arrive(mbar + KV_FULL)
+
+            # dQ staging (after the final CTA barrier below)
+            cute.arch.sync_threads()
+            if cutlass.const_expr(not self.fold_scale):
+                acc_dQ.store(acc_dQ.load() * scale)
+            r2s_o0 = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), dq0_mma
+            ).get_slice(gtid)
+            rdQ0 = cute.make_fragment_like(acc_dQ, self.dtype)
+            rdQ0.store(acc_dQ.load().to(self.dtype))
+            sdQ0 = cute.make_tensor(q_base, sOh_layout)
+            cute.copy(r2s_o0, r2s_o0.retile(rdQ0), r2s_o0.partition_D(sdQ0))
+        else:
+            # ===================================== WG1 =====================================
+            thr_dq = dq1_mma.get_slice(gtid)
+            thr_dqr = dqr_mma.get_slice(gtid)
+            thr_kv = dkv_mma.get_slice(gtid)
+            tQrDS = thr_dq.make_fragment_A(thr_dq.partition_A(sDS))
+            sKt1 = cute.make_tensor(kv_sw + cute.assume(bn * self.split_col, divby=512),
+                                    sKt_layout)
+            tQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKt1))
+            acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((bm, self.split_col)))
+            acc_dQ.fill(0.0)
+            acc_dQr = None
+            tRrDS = None
+            tRrK = None
+            if cutlass.const_expr(self.rope > 0):
+                tRrDS = thr_dqr.make_fragment_A(thr_dqr.partition_A(sDS))
+                sKtr = cute.make_tensor(kv_sw + cute.assume(bn * d_v, divby=512), sTt_layout)
+                tRrK = thr_dqr.make_fragment_B(thr_dqr.partition_B(sKtr))
+                acc_dQr = thr_dqr.make_fragment_C(thr_dqr.partition_shape_C((bm, 64)))
+                acc_dQr.fill(0.0)
+            # dKV operands: A = dS^T / P^T (M = KV rows, K = heads), B = Q / dO column chunks
+            # (N = 64 columns, K = heads); all MN-major views of K-major tiles.
+            sDSt = cute.make_tensor(ds_sw, sTt_layout)
+            sPt = cute.make_tensor(p_sw, sTt_layout)
+            tKrDS = thr_kv.make_fragment_A(thr_kv.partition_A(sDSt))
+            tKrP = thr_kv.make_fragment_A(thr_kv.partition_A(sPt))
+            acc_kv_shape = thr_kv.partition_shape_C((bn, 64))
+            tCcC = self._acc_mn_view(thr_kv.partition_C(cute.make_identity_tensor((bn, 64))))
+            # after the butterfly, lane 2i keeps row r, lane 2i + 1 row r + 8 (see below)
+            odd = (gtid % 2) == 1
+            kr_mine = cutlass.Int32(cutlass.select_(odd, tCcC[1, 0][0], tCcC[0, 0][0]))
+            out_scale = cutlass.Float32(1.0)
+            if cutlass.const_expr(not self.fold_scale):
+                out_scale = scale
+            tok_row0 = cutlass.Int64(bt32 - t_begin) * cutlass.Int64(K)
+            # bulk-reduce staging: this thread's accumulator slots in the fp32 staging tile,
+            # and the one row (R = 16 warp + lane, lanes 0-15) whose bulk reduction it issues
+            # (warp w of the warpgroup owns accumulator rows 16 w .. 16 w + 15).
+            st_base = storage.sStage.data_ptr()
+            tCsS = None
+            st_row_ptr = st_base
+            st_R = cutlass.Int32(0)
+            st_issuer = (gtid % 32) < 16
+            if cutlass.const_expr(self.bulk):
+                c68 = self.st_cols + self.st_skew
+                sStage = cute.make_tensor(
+                    st_base,
+                    cute.make_layout(((8, 8), self.st_cols), stride=((c68, 8 * self.st_cols), 1)),
+                )
+                tCsS = thr_kv.partition_C(sStage)
+                st_R = (gtid // 32) * 16 + (gtid % 16)
+                st_row_ptr = st_base + ((st_R % 8) * c68 + (st_R // 8) * (8 * self.st_cols))
+            dq1_mma.set(warpgroup.Field.ACCUMULATE, True)
+            dqr_mma.set(warpgroup.Field.ACCUMULATE, True)
+            dkv_mma.set(warpgroup.Field.ACCUMULATE, True)
+
+            for blk in range(n_blocks):
+                slot = blk % 2
+                self._load_idx(mIdx, idx_r, blk + 1, k_eff, idx_base, grow)
+                cute.arch.mbarrier_wait(mbar + DS_FULL, blk % 2)
+                cute.arch.mbarrier_wait(mbar + KV_FULL, blk % 2)
+                cute.arch.fence_proxy("async.shared", space="cta")
+
+                # dQ[:, 256:Dqk] += dS K[:, 256:Dqk]
+                warpgroup.fence()
+                for k in cutlass.range_constexpr(cute.size(tQrDS, mode=[2])):
+                    cute.gemm(dq1_mma, acc_dQ, tQrDS[None, None, k], tQrK[None, None, k],
+                              acc_dQ)
+                if cutlass.const_expr(self.rope > 0):
+                    for k in cutlass.range_constexpr(cute.size(tRrDS, mode=[2])):
+                        cute.gemm(dqr_mma, acc_dQr, tRrDS[None, None, k], tRrK[None, None, k],
+                                  acc_dQr)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+
+                # refill columns [256, Dqk) with block blk + 1 (last reader: the dQ above)
+                if blk + 1 < n_blocks:
+                    self._gather(mKV, sKV, cp_atom, idx_r, S, kv_batch, grow, gsub,
+                                 self.c0_chunks, self.c1_chunks, sRow, 1 - slot, False)
+                    cute.arch.cp_async_mbarrier_arrive_noinc(mbar + KV_FULL)
+                    cute.arch.mbarrier_arrive(mbar + KV_FULL)
+
+                # dKV for this block, 64 columns at a time
+                row = cutlass.Int32(-1)
+                g_base = cutlass.Int64(0)
+                if cutlass.const_expr(self.bulk):
+                    # the row this lane reduces into (-1: invalid entry, never issued)
+                    row = sRow[slot * bn + st_R]
+                    g_base = (kv_batch + cutlass.Int64(row)) * cutlass.Int64(d_qk)
+                else:
+                    row = sRow[slot * bn + kr_mine]
+                    j_row = cutlass.Int64(blk * bn + kr_mine)
+                    if cutlass.const_expr(self.deterministic):
+                        g_base = ((tok_row0 + j_row) * cutlass.Int64(n_hb)
+                                  + cutlass.Int64(hb)) * cutlass.Int64(d_qk)
+                    else:
+                        g_base = (kv_batch + cutlass.Int64(row)) * cutlass.Int64(d_qk)
+                for ch in cutlass.range(self.n_ch, unroll=1):
+                    sQc = cute.make_tensor(q_sw + cute.assume(ch * (bm * 64), divby=512),
+                                           sTt_layout)
+                    tKrQ = thr_kv.make_fragment_B(thr_kv.partition_B(sQc))
+                    sDOc = cute.make_tensor(do_sw + cute.assume(ch * (bm * 64), divby=512),
+                                            sTt_layout)
+                    tKrDO = thr_kv.make_fragment_B(thr_kv.partition_B(sDOc))
+                    acc = thr_kv.make_fragment_C(acc_kv_shape)
+                    acc.fill(0.0)
+                    # Straight-line wgmma sequences per live-head count (a wgmma under a
+                    # runtime condition is serialized by ptxas).
+                    if kh == 4 or cutlass.const_expr(not self.skip_heads):
+                        self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 4)
+                    elif kh == 1:
+                        self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 1)
+                    elif kh == 2:
+                        self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 2)
+                    else:
+                        self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 3)
+                    if cutlass.const_expr(self.bulk):
+                        # the previous chunk's bulk reductions have read the staging tile
+                        # (waited while this chunk's wgmma runs)
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        warpgroup.wait_group(0)
+                        cute.arch.sync_warp()
+                        if cutlass.const_expr(not self.fold_scale):
+                            acc.store(acc.load() * out_scale)
+                        cute.autovec_copy(acc, tCsS)
+                        # generic-proxy stores -> async-proxy (bulk copy) reads
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        cute.arch.sync_warp()
+                        if st_issuer and row >= 0:
+                            bulk_reduce_add_f32(
+                                mDKV.iterator + (g_base + cutlass.Int64(ch * self.st_cols)),
+                                st_row_ptr, self.st_cols * 4)
+                        cute.arch.cp_async_bulk_commit_group()
+                    else:
+                        warpgroup.wait_group(0)
+                        self._scatter(acc, tCcC, odd, row, g_base, ch, out_scale, mDKV)
+                # this block's P / dS tiles and sRow slot are free again
+                cute.arch.mbarrier_arrive(mbar + DS_EMPTY)
+
+            if cutlass.const_expr(self.bulk):
+                # the staging tile must have been read before the CTA exits
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+            cute.arch.sync_threads()
+            if cutlass.const_expr(not self.fold_scale):
+                acc_dQ.store(acc_dQ.load() * scale)
+            r2s_o = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), dq1_mma
+            ).get_slice(gtid)
+            rdQ = cute.make_fragment_like(acc_dQ, self.dtype)
+            rdQ.store(acc_dQ.load().to(self.dtype))
+            sdQ1 = cute.make_tensor(q_base + cute.assume(bm * self.split_col, divby=512),
+                                    sOh_layout)
+            cute.copy(r2s_o, r2s_o.retile(rdQ), r2s_o.partition_D(sdQ1))
+            if cutlass.const_expr(self.rope > 0):
+                if cutlass.const_expr(not self.fold_scale):
+                    acc_dQr.store(acc_dQr.load() * scale)
+                r2s_r = cute.make_tiled_copy_C(
+                    cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), dqr_mma
+                ).get_slice(gtid)
+                rdQr = cute.make_fragment_like(acc_dQr, self.dtype)
+                rdQr.store(acc_dQr.load().to(self.dtype))
+                sdQr = cute.make_tensor(q_base + cute.assume(bm * d_v, divby=512), sOr_layout)
+                cute.copy(r2s_r, r2s_r.retile(rdQr), r2s_r.partition_D(sdQr))
+
+        # ---- epilogue: dQ rows (live heads only) -------------------------------------------
+        cute.arch.sync_threads()
+        sO = cute.make_tensor(q_base, sO_layout)
+        st_atom = cute.make_copy_atom(
+            cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
+        )
+        if q_ok:
+            for i in cutlass.range_constexpr(self.chunks // self.io_tpr):
+                c = csub + self.io_tpr * i
+                cute.copy(st_atom, self._chunk(sO, crow, c), self._chunk(mDQ, q_row, c))
+
+    @cute.jit
+    def _dkv_mma(self, dkv_mma: cute.TiledMma, acc: cute.Tensor, tKrDS: cute.Tensor,
+                 tKrQ: cute.Tensor, tKrP: cute.Tensor, tKrDO: cute.Tensor, ch: cutlass.Int32,
+                 nk: cutlass.Constexpr):
+        """acc += dS^T Q_ch (+ P^T dO_ch for ch < 8) over the first nk 16-head k-steps
+        (dkv_mma accumulates: ACCUMULATE is set once, outside all runtime control flow)."""
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(nk):
+            cute.gemm(dkv_mma, acc, tKrDS[None, None, k], tKrQ[None, None, k], acc)
+        if ch < self.d_v // 64:
+            for k in cutlass.range_constexpr(nk):
+                cute.gemm(dkv_mma, acc, tKrP[None, None, k], tKrDO[None, None, k], acc)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _scatter(self, acc: cute.Tensor, tCcC: cute.Tensor, odd: cutlass.Boolean,
+                 row: cutlass.Int32, g_base: cutlass.Int64, ch: cutlass.Int32,
+                 out_scale: cutlass.Float32, mDKV: cute.Tensor):
+        """Add (or store) this thread's share of a 64 x 64 dKV chunk. The accumulator of warp w
+        holds rows 16 w + l // 4 and + 8, columns 8 n + 2 (l % 4) + {0, 1}; one butterfly
+        shuffle (xor 1) per value pair gives lane 2i row r, columns 8 n + 4 (i % 2) .. + 3, and
+        lane 2i + 1 row r + 8, the same columns: one 16-byte RED / store per n8 tile."""
+        acc_mn = self._acc_mn_view(acc)
+        assert cute.size(acc_mn, mode=[0]) == 2 and cute.size(acc_mn, mode=[1]) == 16
+        for n in cutlass.range_constexpr(8):
+            a00 = acc_mn[0, 2 * n] * out_scale
+            a01 = acc_mn[0, 2 * n + 1] * out_scale
+            a10 = acc_mn[1, 2 * n] * out_scale
+            a11 = acc_mn[1, 2 * n + 1] * out_scale
+            s0 = cutlass.Float32(cutlass.select_(odd, a00, a10))
+            s1 = cutlass.Float32(cutlass.select_(odd, a01, a11))
+            r0 = cute.arch.shuffle_sync_bfly(s0, offset=1)
+            r1 = cute.arch.shuffle_sync_bfly(s1, offset=1)
+            v0 = cutlass.Float32(cutlass.select_(odd, r0, a00))
+            v1 = cutlass.Float32(cutlass.select_(odd, r1, a01))
+            v2 = cutlass.Float32(cutlass.select_(odd, a10, r0))
+            v3 = cutlass.Float32(cutlass.select_(odd, a11, r1))
+            col = tCcC[0, 2 * n][1] - cutlass.select_(odd, cutlass.Int32(2), cutlass.Int32(0))
+            off = g_base + cutlass.Int64(ch * 64 + col)
+            if row >= 0:
+                if cutlass.const_expr(self.deterministic):
+                    st_global_v4_f32(mDKV.iterator + off, v0, v1, v2, v3)
+                else:
+                    red_add_v4_f32(mDKV.iterator + off, v0, v1, v2, v3)
+
+
+# -------------------------------------------------------------------- AOT compile entry
+def shared_storage_bytes(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False) -> int:
+    """Dynamic shared memory (bytes) that one specialization launches with (no GPU needed)."""
+    op = SparseMlaBwdWgmma2Sm90(dtype, d_qk, d_v, deterministic)
+    out = {}
+
+    @cute.jit
+    def probe():
+        k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, dtype)
+        st = op._shared_storage(
+            cute.tile_to_shape(k_atom, (op.bm, op.d_qk), (0, 1)),
+            cute.tile_to_shape(k_atom, (op.bm, op.d_v), (0, 1)),
+            cute.tile_to_shape(k_atom, (op.bn, op.d_qk), (0, 1)),
+            cute.tile_to_shape(k_atom, (64, 64), (0, 1)),
+        )
+        out["n"] = st.size_in_bytes()
+
+    probe()
+    return out["n"]
+
+
+def compile_bwd_wgmma2(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
+                      options: str | None = None):
+    """Compile one specialization with fake (shape-only) tensors; no GPU needed. `options` are
+    extra cute.compile options, e.g. "--ptxas-options '-v'"."""
+    rows_q = cute.sym_int64()
+    rows_kv = cute.sym_int64()
+    n_idx = cute.sym_int64()
+    n_tok = cute.sym_int64()
+    n_coef = cute.sym_int64()
+    q = make_fake_compact_tensor(dtype, (rows_q, d_qk), stride_order=(1, 0), assumed_align=16)
+    kv = make_fake_compact_tensor(dtype, (rows_kv, d_qk), stride_order=(1, 0), assumed_align=16)
+    idx = make_fake_compact_tensor(cutlass.Int32, (n_idx,), assumed_align=4)
+    tl = make_fake_compact_tensor(cutlass.Int32, (n_tok,), assumed_align=4)
+    lse = make_fake_compact_tensor(cutlass.Float32, (rows_q,), assumed_align=4)
+    do = make_fake_compact_tensor(dtype, (rows_q, d_v), stride_order=(1, 0), assumed_align=16)
+    coef = make_fake_compact_tensor(cutlass.Float32, (n_coef,), assumed_align=8)
+    dq = make_fake_compact_tensor(dtype, (rows_q, d_qk), stride_order=(1, 0), assumed_align=16)
+    dkv = make_fake_compact_tensor(cutlass.Float32, (rows_kv, d_qk), stride_order=(1, 0),
+                                   assumed_align=16)
+    op = SparseMlaBwdWgmma2Sm90(dtype, d_qk, d_v, deterministic)
+    i32 = cutlass.Int32(1)
+    return cute.compile(
+        op, q, kv, idx, tl, lse, do, coef, dq, dkv, i32, i32, i32, i32, i32, i32, i32,
+        cutlass.Float32(1.0), make_fake_stream(),
+        **({"options": options} if options else {}),
+    )
