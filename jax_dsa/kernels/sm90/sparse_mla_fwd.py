@@ -24,16 +24,13 @@ Inputs are flattened on the host side: q (B*T*H, Dqk), kv (B*S, Dqk), idx (B*T*K
 topk_length (B*T,), sink (H,), o (B*T*H, 512), lse (B*T*H,). All row offsets are 64-bit.
 """
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 import cuda.bindings.driver as cuda
 
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
+from jax_dsa.kernels.sm90.common import LN_2, LOG2_E, fwd_fake_args
+
 
 
 class SparseMlaFwdSm90:
@@ -419,21 +416,4 @@ class SparseMlaFwdSm90:
 # -------------------------------------------------------------------- AOT compile entry
 def compile_fwd(dtype, d_qk: int, d_v: int = 512):
     """Compile one specialization with fake (shape-only) tensors; no GPU needed."""
-    rows_q = cute.sym_int64()
-    rows_kv = cute.sym_int64()
-    n_idx = cute.sym_int64()
-    n_tok = cute.sym_int64()
-    n_head = cute.sym_int64()
-    q = make_fake_compact_tensor(dtype, (rows_q, d_qk), stride_order=(1, 0), assumed_align=16)
-    kv = make_fake_compact_tensor(dtype, (rows_kv, d_qk), stride_order=(1, 0), assumed_align=16)
-    idx = make_fake_compact_tensor(cutlass.Int32, (n_idx,), assumed_align=4)
-    tl = make_fake_compact_tensor(cutlass.Int32, (n_tok,), assumed_align=4)
-    sink = make_fake_compact_tensor(cutlass.Float32, (n_head,), assumed_align=4)
-    o = make_fake_compact_tensor(dtype, (rows_q, d_v), stride_order=(1, 0), assumed_align=16)
-    lse = make_fake_compact_tensor(cutlass.Float32, (rows_q,), assumed_align=4)
-    op = SparseMlaFwdSm90(dtype, d_qk, d_v)
-    i32 = cutlass.Int32(1)
-    return cute.compile(
-        op, q, kv, idx, tl, sink, o, lse, i32, i32, i32, i32, i32, cutlass.Float32(1.0),
-        make_fake_stream(),
-    )
+    return cute.compile(SparseMlaFwdSm90(dtype, d_qk, d_v), *fwd_fake_args(dtype, d_qk, d_v))

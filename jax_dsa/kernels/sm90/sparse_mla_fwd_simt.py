@@ -10,11 +10,10 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 import cuda.bindings.driver as cuda
 
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
+from jax_dsa.kernels.sm90.common import LN_2, LOG2_E, fwd_fake_args
+
 WARPS = 4
 
 
@@ -116,15 +115,5 @@ class SparseMlaFwdSimt:
 
 
 def compile_fwd_simt(dtype, d_qk: int, d_v: int = 512):
-    """Compile with shape-only tensors (same argument list as sparse_mla_fwd.compile_fwd)."""
-    rows_q, rows_kv, n_idx, n_tok, n_head = (cute.sym_int64() for _ in range(5))
-    q = make_fake_compact_tensor(dtype, (rows_q, d_qk), stride_order=(1, 0), assumed_align=16)
-    kv = make_fake_compact_tensor(dtype, (rows_kv, d_qk), stride_order=(1, 0), assumed_align=16)
-    idx = make_fake_compact_tensor(cutlass.Int32, (n_idx,), assumed_align=4)
-    tl = make_fake_compact_tensor(cutlass.Int32, (n_tok,), assumed_align=4)
-    sink = make_fake_compact_tensor(cutlass.Float32, (n_head,), assumed_align=4)
-    o = make_fake_compact_tensor(dtype, (rows_q, d_v), stride_order=(1, 0), assumed_align=16)
-    lse = make_fake_compact_tensor(cutlass.Float32, (rows_q,), assumed_align=4)
-    i32 = cutlass.Int32(1)
-    return cute.compile(SparseMlaFwdSimt(dtype, d_qk, d_v), q, kv, idx, tl, sink, o, lse,
-                        i32, i32, i32, i32, i32, cutlass.Float32(1.0), make_fake_stream())
+    """Compile with shape-only tensors (common.fwd_fake_args)."""
+    return cute.compile(SparseMlaFwdSimt(dtype, d_qk, d_v), *fwd_fake_args(dtype, d_qk, d_v))

@@ -1,0 +1,88 @@
+"""Pieces shared by the sm_90a kernels: inline PTX the DSL does not wrap, and the shape-only
+("fake") argument lists the ahead-of-time compile entry points hand to cute.compile.
+
+The fake tensors fix each kernel's exported C signature (tools/build_kernels.py, ffi/*.cc):
+flattened row-major views whose row counts are dynamic, 16-byte aligned where vector copies need
+it. Every forward variant takes fwd_fake_args(); every backward variant bwd_fake_args().
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+
+def _v4_f32(op: str, ptr, vals, loc, ip):
+    addr = ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
+    vals = [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in vals]
+    llvm.inline_asm(
+        None,
+        [addr] + vals,
+        op + " [$0], {$1, $2, $3, $4};",
+        "l,f,f,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def red_add_v4_f32(ptr, a, b, c, d, *, loc=None, ip=None):
+    """red.global.add.v4.f32 [ptr], {a, b, c, d} (sm_90; ptr 16-byte aligned global memory)."""
+    _v4_f32("red.relaxed.gpu.global.add.v4.f32", ptr, (a, b, c, d), loc, ip)
+
+
+@dsl_user_op
+def st_global_v4_f32(ptr, a, b, c, d, *, loc=None, ip=None):
+    """st.global.v4.f32 [ptr], {a, b, c, d} (ptr 16-byte aligned global memory)."""
+    _v4_f32("st.global.v4.f32", ptr, (a, b, c, d), loc, ip)
+
+
+def _rows(dtype, n_rows, n_cols, align=16):
+    return make_fake_compact_tensor(dtype, (n_rows, n_cols), stride_order=(1, 0),
+                                    assumed_align=align)
+
+
+def _vec(dtype, n, align=4):
+    return make_fake_compact_tensor(dtype, (n,), assumed_align=align)
+
+
+def fwd_fake_args(dtype, d_qk: int, d_v: int):
+    """Forward: q (B*T*H, Dqk), kv (B*S, Dqk), idx (B*T*K,), topk_length (B*T,), sink (H,),
+    o (B*T*H, d_v), lse (B*T*H,), then B, T, H, S, K, scale and the stream."""
+    rows_q, rows_kv, n_idx, n_tok, n_head = (cute.sym_int64() for _ in range(5))
+    i32 = cutlass.Int32(1)
+    return (
+        _rows(dtype, rows_q, d_qk), _rows(dtype, rows_kv, d_qk), _vec(cutlass.Int32, n_idx),
+        _vec(cutlass.Int32, n_tok), _vec(cutlass.Float32, n_head), _rows(dtype, rows_q, d_v),
+        _vec(cutlass.Float32, rows_q), i32, i32, i32, i32, i32, cutlass.Float32(1.0),
+        make_fake_stream(),
+    )
+
+
+def bwd_fake_args(dtype, d_qk: int, d_v: int):
+    """Backward: q, kv, idx, topk_length, lse (B*T*H,), do (B*T*H, d_v), coef (B*T*H*2,),
+    dq (B*T*H, Dqk), dkv float32 (B*S rows, or the deterministic workspace's rows, x Dqk), then
+    B, T, H, S, K, t_begin, n_tok, scale and the stream."""
+    rows_q, rows_kv, n_idx, n_tok, n_coef, rows_dkv = (cute.sym_int64() for _ in range(6))
+    i32 = cutlass.Int32(1)
+    return (
+        _rows(dtype, rows_q, d_qk), _rows(dtype, rows_kv, d_qk), _vec(cutlass.Int32, n_idx),
+        _vec(cutlass.Int32, n_tok), _vec(cutlass.Float32, rows_q), _rows(dtype, rows_q, d_v),
+        _vec(cutlass.Float32, n_coef, align=8), _rows(dtype, rows_q, d_qk),
+        _rows(cutlass.Float32, rows_dkv, d_qk), i32, i32, i32, i32, i32, i32, i32,
+        cutlass.Float32(1.0), make_fake_stream(),
+    )
+
+
+def compile_options(options: str | None) -> dict:
+    """cute.compile keyword arguments for extra options, e.g. "--ptxas-options '-v'"."""
+    return {"options": options} if options else {}
