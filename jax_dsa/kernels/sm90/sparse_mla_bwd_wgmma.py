@@ -60,7 +60,7 @@ Per-block cost estimate (64 live heads, Dqk 512 as benchmarked; tensor core peak
   smem operand traffic: SS wgmma 64x64x16 reads 4 KB per 32 clk (at the 128 B/clk limit),
   64x256x16 10 KB per 128 clk; no ldmatrix traffic (v2: ~1.8 MB per block).
 
-Build facts (tools/check_bwd_wgmma_build.py, CuTe DSL 4.8.1, sm_90a): 246-248 registers, no
+Build facts (tools/check_kernel_build.py bwd:wg, CuTe DSL 4.8.1, sm_90a): 246-248 registers, no
 stack / local memory, 208.5 KB (Dqk 512) / 224.5 KB (576) dynamic smem + 1 KB static; SASS
 HGMMA 64x64x16 (S, dP, dKV, rope dQ) and 64x256x16 (dQ, one RS + one SS), REDG.E.ADD.F32x4
 only (deterministic: STG.128 only). Two choices keep it spill-free: the dKV column-chunk loop is

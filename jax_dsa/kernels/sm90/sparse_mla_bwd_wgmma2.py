@@ -1,5 +1,86 @@
-"""Sparse MLA (DSA) backward for sm_90a with warpgroup MMA (wgmma), role-split warpgroups.
+"""Sparse MLA (DSA) backward for sm_90a, wgmma, with the dKV scatter done by TMA bulk reductions.
 
+Candidate successor of sparse_mla_bwd_wgmma.py (experimental tag "wg2", JAX_DSA_BWD_IMPL=wg2):
+same compiled-callable signature, math, grid, roles and contract, same deterministic mode
+(workspace rows ((bt - t_begin) * K + j) * n_hb + hb, plain st.global.v4.f32, no atomics). The
+only change is how the atomic (non-deterministic) kernel adds each 64 x 64 fp32 dKV chunk into
+dkv, at Dqk 512 (the benchmarked shape); Dqk 576 and deterministic mode keep v1's code path.
+
+Why: measured on the H200 (T = S = 4096, K = 640, Dqk 512) v1's backward takes 2.77 ms at H = 8
+and H = 16 and 3.13 ms at H = 64: it is bound by the scatter, 4096 * 640 rows * 2 KB = 5.4 GB of
+red.global.add.v4.f32 (~2.0 TB/s). Each v1 RED instruction of a warp touches 16 rows with one
+32-byte sector each (after the quad butterfly), i.e. the L2 sees 170 M sector-sized atomics.
+cuDNN's sm90 DSA backward writes 64 contiguous bytes per row per RED instruction (permuted dKV
+accumulator layout) and does H = 16 in 2.09 ms (~2.6 TB/s if scatter-bound): the L2 reduction
+rate grows with the request size. A bulk reduction (cp.reduce.async.bulk .add.f32) moves one
+whole 256-byte row segment (two full 128-byte lines) per request, issued by the copy engine
+asynchronously, so WG1 no longer stalls on LSU / L2 back-pressure either.
+
+dKV path (atomic, Dqk 512), per 64-row block and 64-column chunk ch, in WG1 (warp w of the group
+owns accumulator rows 16 w .. 16 w + 15):
+  1. issue the chunk's dKV wgmmas (unchanged);
+  2. while they run: lanes 0-15 of each warp issue the PREVIOUS chunk's reductions, one per
+     staged row R = 16 w + lane whose index is valid (sRow >= 0: never at an invalid index):
+       cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32
+           [dkv + ((b S + idx) * 512 + 64 (ch - 1)) * 4], [stage + row R], 256
+     then every lane commits its bulk group (cp.async.bulk.commit_group);
+  3. cp.async.bulk.wait_group.read 0 (the copy engine has read the staging tile), wgmma wait;
+  4. __syncwarp, each thread stores its 32 accumulator values (x scale for fp16) into the fp32
+     staging tile (16 st.shared.v2), fence.proxy.async.shared::cta, __syncwarp.
+  After the last chunk the block's final reductions are issued (step 2 for ch = 7), and before
+  the CTA exits a wait_group.read 0. Only warp-level synchronisation: each warp stages and
+  issues exactly its own 16 rows. The addresses are per lane, so ptxas issues the 16 UBLKRED of
+  a warp in an ELECT / R2UR loop (~8 instructions each); issuing them while the next chunk's
+  wgmmas run hides that loop.
+  Alignment (PTX ISA): both addresses 16-byte aligned, size a multiple of 16: the dkv row is
+  2048 B, the chunk offset 256 B, the staging rows 16-byte aligned (below).
+
+Staging tile (shared memory): 64 rows x 64 fp32, row R at float offset (R % 8) * 68 + (R // 8)
+* 512, i.e. 256-byte rows kept contiguous (one bulk copy each) with a 16-byte skew per row mod 8:
+a warp's st.shared.v2 of 8 rows x 32 B then spans all 32 banks twice (2 wavefronts, the
+minimum; unskewed, all 8 rows hit the same 8 banks: 8 wavefronts). A swizzle is not possible
+because each row must stay contiguous for the bulk copy. Size 64 * 256 + 7 * 16 = 16496 B.
+
+Where the 16 KB comes from: at Dqk 512 v1 uses Q 64 KB + dO 64 KB + KV 64 KB + P 8 KB + dS 8 KB
++ rows 0.5 KB, a 209 KB struct (rounded to 1 KB) + 1 KB static: 17 KB were free. With the
+staging tile the struct is 225.0 KB (230400 B), exactly what v1 already launches at Dqk 576, +
+1 KB static = 231424 B <= 232448 (227 KB opt-in). Nothing else had to shrink and the gather
+pipeline is unchanged. Single buffer: the tile is rewritten only after the previous chunk's
+reductions were read (step 3), and that read overlaps this chunk's wgmmas (step 1-2); a second
+16 KB buffer does not fit. At Dqk 576 there is no room (v1 already uses 225 KB): reusing the
+consumed KV rope columns would delay the refill of block n + 1 behind dKV(n) and serialise WG0's
+S/dP with WG1's dKV, so 576 keeps v1's RED path (see "Not done" below).
+
+Costs added per block (H = 64, Dqk 512, 8 chunks), estimates:
+  shared memory traffic: 128 KB of staging stores + 128 KB of bulk-copy reads per block
+  (~2 k clk of the 128 B/clk port) on top of ~600 KB of wgmma operand reads and 64 KB of
+  gather writes: ~7 k clk of smem port per block, below the scatter floor below;
+  WG1 instructions: 16 STS.64 + 1 fence + 2 warp syncs per chunk per thread, and the 16-op issue
+  loop per warp (~16 x 15-25 clk, overlapped with the next chunk's MMAs); v1 had 16 SHFL + 8 RED
+  + selects per chunk, and its REDs stalled on back-pressure;
+  registers: 251 (bf16) / 245 (f16), no spills (v1: 248 / 246).
+
+Predicted backward (fwd+bwd minus fwd, T = S = 4096, K = 640, Dqk 512), with R the L2 rate of
+256-byte fp32 bulk reductions (unmeasured; v1's 32-byte REDs: 2.0 TB/s, cuDNN's 64-byte REDs
+~2.6 TB/s): scatter floor 5.4 GB / R per 64-head block row; MMA + smem ~1.1-1.3 ms at H = 64
+(2x at H = 128), ~0.7 ms at H = 16.
+  R = 3.5 TB/s (central guess): H = 16 ~1.7 ms, H = 64 ~2.0 ms, H = 128 ~3.6-3.9 ms;
+  R = 2.6 TB/s (no better than cuDNN's REDs): H = 16 ~2.2 ms, H = 64 ~2.4 ms, H = 128 ~4.4 ms;
+  R >= 4.5 TB/s: H = 16 ~1.3 ms, H = 64 ~1.5-1.7 ms (MMA-bound), H = 128 ~3.0 ms.
+Deterministic mode and Dqk 576: unchanged from v1.
+
+Build facts (tools/check_kernel_build.py --experimental bwd:wg2, CuTe DSL 4.8.1, sm_90a, atomic Dqk 512): 251 (bf16)
+/ 245 (f16) registers, no stack / local memory, 230400 B dynamic + 1 KB static shared memory;
+SASS: UBLKRED.G.S.ADD.F32.RN (in an ELECT loop), UTMACMDFLUSH (commit), DEPBAR.LE SB0 (wait),
+16 STS.64 per chunk, FENCE.VIEW.ASYNC.S; no REDG / ATOM / SHFL; HGMMA unchanged (92).
+
+Not done (possible next steps): double-buffered staging (no room); bulk stores
+(cp.async.bulk global<-shared) for the deterministic workspace (its cost is the 5.4 GB written
+to HBM and read back, which bulk stores do not reduce); a bulk path at Dqk 576 (needs 8-16 KB:
+e.g. stage 64 x 32 halves in the KV rope columns and refill them after dKV).
+
+----------------------------------------------------------------------------------------------
+v1's description (sparse_mla_bwd_wgmma.py), still accurate except for the scatter step:
 Same math, inputs and contract as sparse_mla_bwd.SparseMlaBwdSm90 (v2, mma.sync); see its
 docstring. Per row (b, t, h) with the forward's lse and the caller's coef = [c, D']:
 
@@ -60,7 +141,7 @@ Per-block cost estimate (64 live heads, Dqk 512 as benchmarked; tensor core peak
   smem operand traffic: SS wgmma 64x64x16 reads 4 KB per 32 clk (at the 128 B/clk limit),
   64x256x16 10 KB per 128 clk; no ldmatrix traffic (v2: ~1.8 MB per block).
 
-Build facts (tools/check_bwd_wgmma_build.py, CuTe DSL 4.8.1, sm_90a): 246-248 registers, no
+Build facts (tools/check_kernel_build.py bwd:wg, CuTe DSL 4.8.1, sm_90a): 246-248 registers, no
 stack / local memory, 208.5 KB (Dqk 512) / 224.5 KB (576) dynamic smem + 1 KB static; SASS
 HGMMA 64x64x16 (S, dP, dKV, rope dQ) and 64x256x16 (dQ, one RS + one SS), REDG.E.ADD.F32x4
 only (deterministic: STG.128 only). Two choices keep it spill-free: the dKV column-chunk loop is
@@ -77,7 +158,8 @@ whole dKV accumulator, and dQ, are multiplied by scale in fp32 afterwards.
 Heads h >= H: zero rows of Q / dO in smem (never read from global), p~ = 0 (lse = +inf), never
 stored. Dead rows (lse = -inf): all gradients 0. Invalid entries (j >= min(K, topk_length),
 idx < 0, idx >= S): their smem rows are zero-filled (never read from global), p~ = 0, and no
-RED / store is issued for them. All global offsets are 64-bit.
+RED / store is issued for them (wg2: no bulk reduction either). All global offsets are
+64-bit.
 """
 
 import math
@@ -700,25 +782,28 @@ class SparseMlaBwdWgmma2Sm90:
                     else:
                         self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 3)
                     if cutlass.const_expr(self.bulk):
-                        # the previous chunk's bulk reductions have read the staging tile
-                        # (waited while this chunk's wgmma runs)
+                        # issue the previous chunk's bulk reductions (staged and fenced at the
+                        # end of the previous iteration) while this chunk's wgmma runs, then
+                        # wait until the copy engine has read the staging tile
+                        if ch > 0:
+                            self._bulk_issue(st_issuer, row, g_base, ch - 1, st_row_ptr, mDKV)
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
                         warpgroup.wait_group(0)
                         cute.arch.sync_warp()
                         if cutlass.const_expr(not self.fold_scale):
                             acc.store(acc.load() * out_scale)
                         cute.autovec_copy(acc, tCsS)
-                        # generic-proxy stores -> async-proxy (bulk copy) reads
+                        # generic-proxy stores -> async-proxy (bulk copy) reads; the warp's
+                        # rows are complete before any of its lanes issues
                         cute.arch.fence_proxy("async.shared", space="cta")
                         cute.arch.sync_warp()
-                        if st_issuer and row >= 0:
-                            bulk_reduce_add_f32(
-                                mDKV.iterator + (g_base + cutlass.Int64(ch * self.st_cols)),
-                                st_row_ptr, self.st_cols * 4)
-                        cute.arch.cp_async_bulk_commit_group()
                     else:
                         warpgroup.wait_group(0)
                         self._scatter(acc, tCcC, odd, row, g_base, ch, out_scale, mDKV)
+                if cutlass.const_expr(self.bulk):
+                    # the last chunk's reductions (read back before the staging tile is
+                    # rewritten: the wait in the next block's first chunk, or the final wait)
+                    self._bulk_issue(st_issuer, row, g_base, self.n_ch - 1, st_row_ptr, mDKV)
                 # this block's P / dS tiles and sRow slot are free again
                 cute.arch.mbarrier_arrive(mbar + DS_EMPTY)
 
@@ -772,6 +857,17 @@ class SparseMlaBwdWgmma2Sm90:
             for k in cutlass.range_constexpr(nk):
                 cute.gemm(dkv_mma, acc, tKrP[None, None, k], tKrDO[None, None, k], acc)
         warpgroup.commit_group()
+
+    @cute.jit
+    def _bulk_issue(self, st_issuer: cutlass.Boolean, row: cutlass.Int32, g_base: cutlass.Int64,
+                    ch, st_row_ptr, mDKV: cute.Tensor):
+        """Lanes 0-15 of each warp: one 256-byte bulk fp32 reduction of their staged row into
+        dkv[row, 64 ch : 64 ch + 64] (never for an invalid entry, row < 0); then every lane
+        commits its (possibly empty) bulk group."""
+        if st_issuer and row >= 0:
+            bulk_reduce_add_f32(mDKV.iterator + (g_base + cutlass.Int64(ch * self.st_cols)),
+                                st_row_ptr, self.st_cols * 4)
+        cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def _scatter(self, acc: cute.Tensor, tCcC: cute.Tensor, odd: cutlass.Boolean,

@@ -1,0 +1,657 @@
+"""Sparse MLA forward for sm_90a: warp-specialized, ping-pong consumers. Experimental ("ws2").
+
+Same math, grid, arguments and contract as sparse_mla_fwd_ws (export tag "ws2", selected with
+JAX_DSA_FWD_IMPL=ws2). Cycle figures below are per SM, at the H100/H200 dense bf16 rate of
+2048 FMA/clk and 128 B/clk of shared memory; "block" = 64 gathered KV rows x 64 heads.
+
+Why not the FA3 intra-warpgroup pipeline on top of ws
+-----------------------------------------------------
+The plan was: issue Q K^T of block n+1 before the softmax of block n. With the 2-stage ring,
+block n+1 lives in the stage of block n-1, which the producer may refill only after P V(n-1)
+completed (it reads every V column of that stage). Issuing Q K^T(n+1) before softmax(n) would
+need n+1 gathered between "P V(n-1) done" and "softmax(n) starts", i.e. with zero time for the
+gather (G ~ 64 KB at ~30-60 B/clk + ~800 clk latency = 1.5-3 kclk): it deadlocks if the wait
+blocks, and a non-blocking try can never succeed. In general with a 2-stage ring the period P
+obeys 2P - D >= G, D = time from the start of Q K^T(n) to the end of P V(n); lagging Q K^T one
+block ahead makes D ~ 2P and leaves no room. A 3rd stage (Q 64 KB + 3 x 64 KB = 256 KB at
+Dqk 512, 288 KB at 576) does not fit in 227 KB. So the overlap must come from the *other*
+warpgroup instead, without lengthening any block's own chain D:
+
+Design: ping-pong over pairs of blocks (FlashMLA's SM90 scheduling idea, re-derived here)
+-------------------------------------------------------------------------------------------
+  * WG0 owns the even blocks (always ring stage 0), WG1 the odd blocks (stage 1). Each owner
+    computes the whole 64 x 64 S of its block (wgmma 64x64x16 over Dqk): per instruction 2 KB of
+    Q + 2 KB of K for 32 clk of math = exactly the 128 B/clk shared-memory budget, against ws's
+    64x32x16 (2 KB + 1 KB for 16 clk = 192 B/clk): Q K^T drops from 1536 clk/block
+    (smem-bound, 192 KB read) to 1024 clk/block (128 KB read).
+  * Each warpgroup still owns half of O (d_v columns [256 g, 256 g + 256)), so P V of every
+    block is done by both: the owner with P in registers (wgmma RS, no P traffic: 32 KB of V
+    per block and group), the other group with P from shared memory (SS). P V stays 1024
+    clk/block of math; smem 32 + 32 + 8 KB per pair and group.
+  * Max exchange is a chain instead of a rendezvous (one named barrier each way per pair):
+      WG0: S0 -> m0 = max(m, rowmax S0) -> publish m0 (bar.arrive M0) -> P0 = exp2(S0 - m0),
+           O_0 *= exp2(m - m0) -> issue O_0 += P0 V0[:, :256] (RS) -> wait M1 -> m1 ->
+           P0' = P0 * exp2(m0 - m1) to smem (bar.arrive P0) -> O_0 *= exp2(m0 - m1) ->
+           wait P1 -> issue O_0 += P1 V1[:, :256] (SS, left in flight under the next Q K^T).
+      WG1: S1 -> wait M0 -> m1 = max(m0, rowmax S1) -> publish (bar.arrive M1) -> P1, O_1 *=
+           exp2(m - m1) -> issue O_1 += P1 V1[:, 256:] (RS), P1 to smem (bar.arrive P1) ->
+           wait P0 -> issue O_1 += P0' V0[:, 256:] (SS) -> wait both, release.
+    Both end a pair with the same running max m1, so their row sums add up in the epilogue.
+    While WG0 runs its softmax, WG1's Q K^T (and vice versa) keeps the tensor cores busy: the
+    softmax (~600-800 clk of latency: masks, shuffles, 32 exp2, 128 O FMULs, P store, fences)
+    hides behind the other group's 1024-clk Q K^T instead of adding to the period.
+  * The ring is released in column halves so the producer can refill early: L = columns
+    0..255 (read by Q K^T and by WG0's P V), R = columns 256..Dqk-1 (Q K^T, WG1's P V and, at
+    Dqk 576, WG0's P tile in the dead rope columns of stage 0). Per stage s and half h there is
+    a "full" mbarrier (256 arrivals: 128 cp.async noinc + 128 plain, per producer thread) and an
+    "empty" mbarrier (128 arrivals: only the group whose P V reads that half):
+        stage 0 L: WG0 after its RS P V(2m);    stage 0 R: WG1 after its SS P V(2m)
+        stage 1 R: WG1 after its RS P V(2m+1);  stage 1 L: WG0 after its SS P V(2m+1)
+    (every Q K^T of a stage is complete before either group's P V on it can start, because the
+    P V needs the max chain, which needs both owners' S). The producer fills in the order the
+    consumers need them: 0L, 1R, 0R, 1L; WG0 runs its Q K^T left columns first, WG1 right
+    first, so each Q K^T starts on the half released earliest.
+  * Per pair (two blocks) tensor-pipe time 2 x 1024 (Q K^T) + 2 x 1024 (P V) = 4096 clk, i.e.
+    2048/block vs ws's 1536 + 1024 = 2560 plus ~800-1000 of unhidden softmax/barrier latency
+    (ws measured ~4.5-5 kclk/block at H=64). Expected ~2.6-3.2 kclk/block steady state ->
+    H=64, K=640 (10 blocks/CTA, 31 waves): ~0.68-0.78 ms; H=128 ~1.35-1.5 ms; H=128 K=1152
+    ~2.2-2.5 ms. The gather (producer) window per half stage is about half a pair period; if
+    the gather is the limit this shows as consumers waiting on "full" barriers.
+  * Shared memory: Dqk 576: Q 72 KB + 2 x 72 KB + P1 tile 8 KB (P0 sits in stage 0's rope
+    columns) = 224 KB (+~1.3 KB); Dqk 512: 64 + 128 + 2 x 8 = 208 KB (+~1.3 KB).
+  * Registers: consumers setmaxnreg 216 (O half 128 + S 32 + P 16 bit 16 + row state),
+    producer 72 (2 x 128 x 216 + 128 x 72 = 64512); ptxas: 0 spills. No wgmma is in flight
+    across a loop back edge (WG0 issues the next pair's Q K^T at the end of the pair and waits
+    for it there; WG1 waits for everything at the end of its pair): otherwise ptxas cannot
+    track the pending groups and serializes every wgmma of the kernel (C7514).
+
+Named barriers (256 threads: one group arrives, the other syncs): 1 consumer-wide sync (Q ready
+and epilogue), 2 M0, 3 M1, 4 P0, 5 P1. Reuse is safe because every "arrive X(m+1)" is ordered
+after the partner's "sync X(m)" through the opposite barrier of the same pair.
+Contract kept from ws: heads h >= H are zero rows (never stored, sink/lse guarded); invalid
+slots (idx < 0, idx >= S, j >= topk_length) are never read (zero-filled rows) and masked to
+-inf; dead rows o = 0, lse = -inf, never NaN (a fully masked block uses max 0 and factors 0);
+the sink only enters the denominator; 64-bit offsets; a token with an odd number of blocks
+runs a last pair without block 2m+1 (its fills, Q K^T, RS P V and SS P V are skipped, the named
+barriers still run so that both groups stay in step); 0 blocks: epilogue only.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+import cuda.bindings.driver as cuda
+
+from jax_dsa.kernels.sm90.sparse_mla_fwd import LN_2, LOG2_E
+from jax_dsa.kernels.sm90.sparse_mla_fwd_ws import SparseMlaFwdWsSm90
+
+CONSUMER_BAR = 1  # both consumer groups (Q ready, epilogue)
+BAR_M0 = 2  # WG0's new row max published (WG0 arrives, WG1 syncs)
+BAR_M1 = 3  # WG1's final row max published (WG1 arrives, WG0 syncs)
+BAR_P0 = 4  # WG0's P tile (rescaled to the pair max) in shared memory
+BAR_P1 = 5  # WG1's P tile in shared memory
+
+# mbarrier slots
+FULL_0L, FULL_0R, FULL_1L, FULL_1R = 0, 1, 2, 3
+EMPTY_0L, EMPTY_0R, EMPTY_1L, EMPTY_1R = 4, 5, 6, 7
+
+
+class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512):
+        super().__init__(dtype, d_qk, d_v)
+        self.bn_g = self.bn  # each owner scores all 64 keys of its block
+        self.half_chunks = self.dv_g // 8  # 16-byte chunks of the L half (32)
+        self.k_half = self.dv_g // 16  # k16 steps of Q K^T over the L half (16)
+        assert (self.chunks - self.half_chunks) % self.p_tpr == 0
+        # 2 x 128 x 216 + 128 x 72 = 64512 <= 65536 registers.
+        self.prod_regs = 72
+        self.cons_regs = 216
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mLen: cute.Tensor,
+        mSink: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        B: cutlass.Int32,
+        T: cutlass.Int32,
+        H: cutlass.Int32,
+        S: cutlass.Int32,
+        K: cutlass.Int32,
+        scale: cutlass.Float32,
+        stream: cuda.CUstream,
+    ):
+        k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
+        mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, self.dtype)
+        sQ_layout = cute.tile_to_shape(k_atom, (self.bm, self.d_qk), (0, 1))
+        sKV_layout = cute.tile_to_shape(k_atom, (self.bn, self.d_qk), (0, 1))
+        sVt_layout = cute.tile_to_shape(mn_atom, (self.dv_g, self.bn), (1, 0))
+        sP_layout = cute.tile_to_shape(k_atom, (self.bm, self.bn), (0, 1))
+        o_atom = cute.make_composed_layout(
+            cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
+        )
+        sO_layout = cute.tile_to_shape(o_atom, (self.bm, self.d_v), (0, 1))
+        sOg_layout = cute.tile_to_shape(o_atom, (self.bm, self.dv_g), (0, 1))
+        # P tiles: Dqk 576 -> P0 in stage 0's rope columns, only P1 here; Dqk 512 -> both.
+        p_elems = cute.cosize(sP_layout) * (1 if self.p_in_rope else 2)
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sKV: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, 2 * cute.cosize(sKV_layout)], 1024
+            ]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
+            sValid: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * self.bn], 16]
+            sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * self.bm], 16]
+            sM: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * self.bm], 16]
+            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 8], 8]
+
+        qk_mma = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            cutlass.Float32, (1, 1, 1), (self.bm, self.bn),
+        )
+        pv_rs = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            cutlass.Float32, (1, 1, 1), (self.bm, self.dv_g), warpgroup.OperandSource.RMEM,
+        )
+        pv_ss = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            cutlass.Float32, (1, 1, 1), (self.bm, self.dv_g), warpgroup.OperandSource.SMEM,
+        )
+        n_head_blocks = (H + self.bm - 1) // self.bm
+        self.kernel(
+            mQ, mKV, mIdx, mLen, mSink, mO, mLse, T, H, S, K, scale * LOG2_E,
+            k_atom.inner, sQ_layout.outer, sKV_layout.outer, sVt_layout.outer, sP_layout.outer,
+            sO_layout, sOg_layout, qk_mma, pv_rs, pv_ss, SharedStorage,
+        ).launch(
+            grid=[T, n_head_blocks, B],
+            block=[self.threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------ producer
+    @cute.jit
+    def _load_idx(self, mIdx: cute.Tensor, dst: cute.Tensor, blk, k_eff: cutlass.Int32,
+                  idx_base: cutlass.Int64, prow: cutlass.Int32):
+        for p in cutlass.range_constexpr(self.p_passes):
+            j = blk * self.bn + prow + self.p_rows * p
+            v = cutlass.Int32(-1)
+            if j < k_eff:
+                v = mIdx[idx_base + cutlass.Int64(j)]
+            dst[p] = v
+
+    @cute.jit
+    def _produce(self, mKV: cute.Tensor, mIdx: cute.Tensor, sValid: cute.Tensor, kv_sw,
+                 sKV_layout: cute.Layout, mbar, n_blocks: cutlass.Int32, k_eff: cutlass.Int32,
+                 S: cutlass.Int32, idx_base: cutlass.Int64, kv_batch: cutlass.Int64,
+                 ptid: cutlass.Int32):
+        """Per pair m: fills 0L, 1R, 0R, 1L (stage 1 only when block 2m+1 exists), each after
+        the matching empty barrier of the previous pair. One code site for the four fills
+        (run-time stage / half) keeps the swizzled chunk addresses in few registers."""
+        psub = ptid % self.p_tpr
+        prow = ptid // self.p_tpr
+        npass = self.p_passes
+        hc = self.half_chunks
+        n_l = hc // self.p_tpr  # chunks per thread and row in the L half (4)
+        n_r = (self.chunks - hc) // self.p_tpr  # ... in the R half (4, or 5 at Dqk 576)
+        n_min = min(n_l, n_r)
+        n_max = max(n_l, n_r)
+        cp_atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+            self.dtype,
+            num_bits_per_copy=128,
+        )
+        cur0 = cute.make_rmem_tensor(npass, cutlass.Int32)
+        cur1 = cute.make_rmem_tensor(npass, cutlass.Int32)
+        n_pairs = (n_blocks + 1) // 2
+        for m in range(n_pairs):
+            has1 = 2 * m + 1 < n_blocks
+            ph = (m + 1) % 2  # parity of the previous pair's release
+            # This pair's indices (their latency hides behind the first empty wait).
+            self._load_idx(mIdx, cur0, 2 * m, k_eff, idx_base, prow)
+            self._load_idx(mIdx, cur1, 2 * m + 1, k_eff, idx_base, prow)
+            for q in range(4):
+                stage = q % 2  # order 0L, 1R, 0R, 1L
+                is_r = cutlass.Int32(0)
+                if q == 1 or q == 2:
+                    is_r = cutlass.Int32(1)
+                if stage == 0 or has1:
+                    slot = 2 * stage + is_r
+                    if m > 0:
+                        cute.arch.mbarrier_wait(mbar + 4 + slot, ph)
+                    sKs = self._stage(kv_sw, sKV_layout, stage)
+                    c_lo = is_r * hc
+                    n_c = n_l + is_r * (n_r - n_l)
+                    for p in cutlass.range_constexpr(npass):
+                        r = prow + self.p_rows * p
+                        row = cur1[p]
+                        if stage == 0:
+                            row = cur0[p]
+                        ok = row >= 0 and row < S
+                        if q < 2 and psub == 0:  # flags with the first half of each stage
+                            sValid[stage * self.bn + r] = (
+                                cutlass.Int32(1) if ok else cutlass.Int32(0)
+                            )
+                        if ok:
+                            g_row = kv_batch + cutlass.Int64(row)
+                            for i in cutlass.range_constexpr(n_max):
+                                if cutlass.const_expr(i < n_min):
+                                    c = c_lo + psub + self.p_tpr * i
+                                    cute.copy(cp_atom, self._chunk(mKV, g_row, c),
+                                              self._chunk(sKs, r, c))
+                                elif i < n_c:
+                                    c = c_lo + psub + self.p_tpr * i
+                                    cute.copy(cp_atom, self._chunk(mKV, g_row, c),
+                                              self._chunk(sKs, r, c))
+                        else:
+                            for i in cutlass.range_constexpr(n_max):
+                                if cutlass.const_expr(i < n_min):
+                                    self._chunk(sKs, r, c_lo + psub + self.p_tpr * i).fill(0)
+                                elif i < n_c:
+                                    self._chunk(sKs, r, c_lo + psub + self.p_tpr * i).fill(0)
+                    cute.arch.cp_async_mbarrier_arrive_noinc(mbar + slot)
+                    cute.arch.mbarrier_arrive(mbar + slot)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+
+    # ------------------------------------------------------------------ consumer pieces
+    @cute.jit
+    def _mask_scale_max(self, S_mn: cute.Tensor, tScS: cute.Tensor, sValid: cute.Tensor,
+                        stage: cutlass.Constexpr, scale_log2: cutlass.Float32,
+                        mx: cute.Tensor):
+        n_rows = cute.size(S_mn, mode=[0])
+        for c in cutlass.range_constexpr(cute.size(S_mn, mode=[1])):
+            if sValid[stage * self.bn + tScS[0, c][1]] == 0:
+                for r in cutlass.range_constexpr(n_rows):
+                    S_mn[r, c] = -cutlass.Float32.inf
+        for r in cutlass.range_constexpr(n_rows):
+            S_mn[r, None] = S_mn[r, None].load() * scale_log2
+            mx[r] = self._quad_allreduce(
+                S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0),
+                cute.arch.fmax,
+            )
+
+    @cute.jit
+    def _exp_rows(self, S_mn: cute.Tensor, O_mn: cute.Tensor, row_max: cute.Tensor,
+                  row_sum: cute.Tensor, m_new: cute.Tensor):
+        """P = exp2(S - m_new) in place; O and the row sums rescaled from row_max to m_new
+        (a row with nothing valid yet uses 0 as its max: never exp2(-inf + inf))."""
+        for r in cutlass.range_constexpr(cute.size(S_mn, mode=[0])):
+            mn = m_new[r]
+            m_use = 0.0 if mn == -cutlass.Float32.inf else mn
+            corr = cute.math.exp2(row_max[r] - m_use, fastmath=True)
+            p_row = cute.math.exp2(S_mn[r, None].load() - m_use, fastmath=True)
+            row_sum[r] = row_sum[r] * corr + p_row.reduce(
+                cute.ReductionOp.ADD, cutlass.Float32.zero, 0
+            )
+            O_mn[r, None] = O_mn[r, None].load() * corr
+            S_mn[r, None] = p_row
+
+    # ------------------------------------------------------------------ kernel
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mLen: cute.Tensor,
+        mSink: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        T: cutlass.Int32,
+        H: cutlass.Int32,
+        S: cutlass.Int32,
+        K: cutlass.Int32,
+        scale_log2: cutlass.Float32,
+        swz: cute.Swizzle,
+        sQ_layout: cute.Layout,
+        sKV_layout: cute.Layout,
+        sVt_layout: cute.Layout,
+        sP_layout: cute.Layout,
+        sO_layout: cute.ComposedLayout,
+        sOg_layout: cute.ComposedLayout,
+        qk_mma: cute.TiledMma,
+        pv_rs: cute.TiledMma,
+        pv_ss: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        bm, bn = self.bm, self.bn
+        tidx, _, _ = cute.arch.thread_idx()
+        t, hb, b = cute.arch.block_idx()
+        wg = tidx // 128
+        h0 = hb * bm
+        bt = cutlass.Int64(b) * cutlass.Int64(T) + cutlass.Int64(t)
+        k_eff = cutlass.min(K, cutlass.max(mLen[bt], 0))
+        n_blocks = (k_eff + bn - 1) // bn
+        n_pairs = (n_blocks + 1) // 2
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        q_base = storage.sQ.data_ptr()
+        kv_sw = cute.recast_ptr(storage.sKV.data_ptr(), swizzle_=swz)
+        sValid = storage.sValid.get_tensor(cute.make_layout(2 * bn))
+        sRed = storage.sRed.get_tensor(cute.make_layout(2 * bm))
+        sM = storage.sM.get_tensor(cute.make_layout(2 * bm))
+        mbar = storage.mbar.data_ptr()
+        stage_elems = cute.cosize(sKV_layout)
+        idx_base = bt * cutlass.Int64(K)
+        kv_batch = cutlass.Int64(b) * cutlass.Int64(S)
+
+        if tidx == 0:
+            for i in cutlass.range_constexpr(4):
+                cute.arch.mbarrier_init(mbar + i, 256)  # full: 128 cp.async + 128 plain
+            for i in cutlass.range_constexpr(4):
+                cute.arch.mbarrier_init(mbar + 4 + i, 128)  # empty: one consumer group
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        if wg == 0:
+            # ================================ producer =================================
+            cute.arch.setmaxregister_decrease(self.prod_regs)
+            self._produce(mKV, mIdx, sValid, kv_sw, sKV_layout, mbar, n_blocks, k_eff, S,
+                          idx_base, kv_batch, tidx)
+        else:
+            # ================================ consumers ================================
+            cute.arch.setmaxregister_increase(self.cons_regs)
+            ctid = tidx - 128
+            cg = wg - 1  # 0: even blocks, O columns 0..255; 1: odd blocks, O columns 256..511
+            gtid = tidx % 128
+            crow = ctid // self.tpr
+            csub = ctid % self.tpr
+            sQ = cute.make_tensor(cute.recast_ptr(q_base, swizzle_=swz), sQ_layout)
+
+            # Q (heads h >= H zero-filled).
+            cp_atom = cute.make_copy_atom(
+                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                self.dtype,
+                num_bits_per_copy=128,
+            )
+            q_ok = h0 + crow < H
+            if q_ok:
+                q_row = bt * cutlass.Int64(H) + cutlass.Int64(h0 + crow)
+                for i in cutlass.range_constexpr(self.chunks // self.tpr):
+                    c = csub + self.tpr * i
+                    cute.copy(cp_atom, self._chunk(mQ, q_row, c), self._chunk(sQ, crow, c))
+            else:
+                for i in cutlass.range_constexpr(self.chunks // self.tpr):
+                    self._chunk(sQ, crow, csub + self.tpr * i).fill(0)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=self.n_cons)
+
+            thr_qk = qk_mma.get_slice(gtid)
+            thr_rs = pv_rs.get_slice(gtid)
+            thr_ss = pv_ss.get_slice(gtid)
+            tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+            n_k = cute.size(tSrQ, mode=[2])
+            kh = self.k_half
+            acc_O = thr_rs.make_fragment_C(thr_rs.partition_shape_C((bm, self.dv_g)))
+            acc_O.fill(0.0)
+            O_mn = self._acc_mn_view(acc_O)
+            tScS = self._acc_mn_view(thr_qk.partition_C(cute.make_identity_tensor((bm, bn))))
+            acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((bm, bn)))
+            S_mn = self._acc_mn_view(acc_S)
+            # P in registers as the A operand of the RS P V (for 16-bit types the per-thread
+            # order of a 64x64 accumulator is that of the four k16 A fragments).
+            tOrP = cute.make_rmem_tensor(thr_rs.partition_shape_A((bm, bn)), self.dtype)
+            rP = cute.make_tensor(tOrP.iterator, acc_S.layout)  # same registers, C order
+            n_rows = cute.size(tScS, mode=[0])
+            row_max = cute.make_rmem_tensor(n_rows, cutlass.Float32)
+            row_sum = cute.make_rmem_tensor(n_rows, cutlass.Float32)
+            mx = cute.make_rmem_tensor(n_rows, cutlass.Float32)
+            m_own = cute.make_rmem_tensor(n_rows, cutlass.Float32)
+            row_max.fill(-cutlass.Float32.inf)
+            row_sum.fill(0.0)
+
+            # Own stage (= cg): whole 64-key tile for Q K^T; V halves (column offset 256 g).
+            sK_own = self._stage(kv_sw, sKV_layout, cg)
+            tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK_own))
+            v_off = cg * (bn * self.dv_g)
+            sV_own = cute.make_tensor(
+                kv_sw + cute.assume(cg * stage_elems + v_off, divby=512), sVt_layout
+            )
+            sV_oth = cute.make_tensor(
+                kv_sw + cute.assume((1 - cg) * stage_elems + v_off, divby=512), sVt_layout
+            )
+            tOrV_own = thr_rs.make_fragment_B(thr_rs.partition_B(sV_own))
+            tOrV_oth = thr_ss.make_fragment_B(thr_ss.partition_B(sV_oth))
+            # P tiles: P0 (WG0's, read by WG1), P1 (WG1's, read by WG0).
+            p0_ptr = kv_sw + cute.assume(self.d_v * bn, divby=512)  # stage 0 rope columns
+            p1_ptr = cute.recast_ptr(storage.sP.data_ptr(), swizzle_=swz)
+            if cutlass.const_expr(not self.p_in_rope):
+                p0_ptr = p1_ptr + cute.assume(cute.cosize(sP_layout), divby=512)
+            sP0 = cute.make_tensor(p0_ptr, sP_layout)
+            sP1 = cute.make_tensor(p1_ptr, sP_layout)
+            r2s_p = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), qk_mma
+            ).get_slice(gtid)
+            n_kv = cute.size(tOrP, mode=[2])
+
+            if cg == 0:
+                # ---------------- WG0: even blocks, stage 0, O columns 0..255 ----------------
+                tOrP_oth = thr_ss.make_fragment_A(thr_ss.partition_A(sP1))
+                tPsP = r2s_p.partition_D(sP0)
+                # Q K^T of a pair is issued at the end of the previous pair (under its SS P V)
+                # and of pair 0 here, so that no wgmma is in flight across the loop back edge
+                # (ptxas cannot track that and serializes every wgmma otherwise, C7514).
+                if n_pairs > 0:
+                    cute.arch.mbarrier_wait(mbar + FULL_0L, 0)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    warpgroup.fence()
+                    for k in cutlass.range_constexpr(0, kh):
+                        qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+                        cute.gemm(qk_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+                    warpgroup.commit_group()
+                    cute.arch.mbarrier_wait(mbar + FULL_0R, 0)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    warpgroup.fence()
+                    for k in cutlass.range_constexpr(kh, n_k):
+                        qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+                        cute.gemm(qk_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                for m in range(n_pairs):
+                    has1 = 2 * m + 1 < n_blocks
+                    self._mask_scale_max(S_mn, tScS, sValid, 0, scale_log2, mx)
+                    for r in cutlass.range_constexpr(n_rows):
+                        m_own[r] = cute.arch.fmax(row_max[r], mx[r])
+                    if gtid % 4 == 0:
+                        for r in cutlass.range_constexpr(n_rows):
+                            sM[tScS[r, 0][0]] = m_own[r]
+                    cute.arch.barrier_arrive(barrier_id=BAR_M0, number_of_threads=self.n_cons)
+                    self._exp_rows(S_mn, O_mn, row_max, row_sum, m_own)
+                    # O_0 += P0 V0[:, :256] with P0 in registers.
+                    rP.store(acc_S.load().to(self.dtype))
+                    warpgroup.fence()
+                    pv_rs.set(warpgroup.Field.ACCUMULATE, True)
+                    for k in cutlass.range_constexpr(n_kv):
+                        cute.gemm(pv_rs, acc_O, tOrP[None, None, k], tOrV_own[None, None, k],
+                                  acc_O)
+                    warpgroup.commit_group()
+                    # WG1's pair max (>= m_own); factor f = exp2(m_own - m1), 0 if m_own = -inf
+                    # (then P0 = 0 and O_0 = 0 already).
+                    cute.arch.barrier(barrier_id=BAR_M1, number_of_threads=self.n_cons)
+                    for r in cutlass.range_constexpr(n_rows):
+                        m1 = sM[bm + tScS[r, 0][0]]
+                        mo = m_own[r]
+                        m1_use = 0.0 if m1 == -cutlass.Float32.inf else m1
+                        f = cute.math.exp2(mo - m1_use, fastmath=True)
+                        mx[r] = 0.0 if mo == -cutlass.Float32.inf else f
+                        row_max[r] = m1
+                    warpgroup.wait_group(0)
+                    cute.arch.mbarrier_arrive(mbar + EMPTY_0L)
+                    # P0' = P0 * f for WG1 (from the fp32 values), then O_0 *= f.
+                    for r in cutlass.range_constexpr(n_rows):
+                        S_mn[r, None] = S_mn[r, None].load() * mx[r]
+                        O_mn[r, None] = O_mn[r, None].load() * mx[r]
+                        row_sum[r] = row_sum[r] * mx[r]
+                    rP.store(acc_S.load().to(self.dtype))
+                    cute.copy(r2s_p, r2s_p.retile(rP), tPsP)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.barrier_arrive(barrier_id=BAR_P0, number_of_threads=self.n_cons)
+                    # O_0 += P1 V1[:, :256] (P1 from shared memory), left in flight under the
+                    # next pair's Q K^T (left columns: stage 0 L is released first).
+                    cute.arch.barrier(barrier_id=BAR_P1, number_of_threads=self.n_cons)
+                    if has1:
+                        warpgroup.fence()
+                        pv_ss.set(warpgroup.Field.ACCUMULATE, True)
+                        for k in cutlass.range_constexpr(n_kv):
+                            cute.gemm(pv_ss, acc_O, tOrP_oth[None, None, k],
+                                      tOrV_oth[None, None, k], acc_O)
+                        warpgroup.commit_group()
+                    if m + 1 < n_pairs:
+                        ph = (m + 1) % 2
+                        cute.arch.mbarrier_wait(mbar + FULL_0L, ph)
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        warpgroup.fence()
+                        for k in cutlass.range_constexpr(0, kh):
+                            qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
+                            cute.gemm(qk_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(1)
+                        cute.arch.mbarrier_arrive(mbar + EMPTY_1L)  # m + 1 < n_pairs: has1
+                        cute.arch.mbarrier_wait(mbar + FULL_0R, ph)
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        warpgroup.fence()
+                        for k in cutlass.range_constexpr(kh, n_k):
+                            qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+                            cute.gemm(qk_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+                        warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+            else:
+                # ---------------- WG1: odd blocks, stage 1, O columns 256..511 ---------------
+                tOrP_oth = thr_ss.make_fragment_A(thr_ss.partition_A(sP0))
+                tPsP = r2s_p.partition_D(sP1)
+                for m in range(n_pairs):
+                    ph = m % 2
+                    has1 = 2 * m + 1 < n_blocks
+                    if has1:
+                        # S1 = Q K1^T: right columns first (1R is refilled earliest).
+                        cute.arch.mbarrier_wait(mbar + FULL_1R, ph)
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        warpgroup.fence()
+                        for k in cutlass.range_constexpr(kh, n_k):
+                            qk_mma.set(warpgroup.Field.ACCUMULATE, k != kh)
+                            cute.gemm(qk_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+                        warpgroup.commit_group()
+                        cute.arch.mbarrier_wait(mbar + FULL_1L, ph)
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        warpgroup.fence()
+                        for k in cutlass.range_constexpr(0, kh):
+                            qk_mma.set(warpgroup.Field.ACCUMULATE, True)
+                            cute.gemm(qk_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(0)
+                        self._mask_scale_max(S_mn, tScS, sValid, 1, scale_log2, mx)
+                    else:
+                        acc_S.fill(-cutlass.Float32.inf)
+                        mx.fill(-cutlass.Float32.inf)
+                    cute.arch.barrier(barrier_id=BAR_M0, number_of_threads=self.n_cons)
+                    for r in cutlass.range_constexpr(n_rows):
+                        m_own[r] = cute.arch.fmax(sM[tScS[r, 0][0]], mx[r])
+                    if gtid % 4 == 0:
+                        for r in cutlass.range_constexpr(n_rows):
+                            sM[bm + tScS[r, 0][0]] = m_own[r]
+                    cute.arch.barrier_arrive(barrier_id=BAR_M1, number_of_threads=self.n_cons)
+                    self._exp_rows(S_mn, O_mn, row_max, row_sum, m_own)
+                    for r in cutlass.range_constexpr(n_rows):
+                        row_max[r] = m_own[r]
+                    if has1:
+                        # P1 to shared memory (for WG0), then O_1 += P1 V1[:, 256:] with P1 in
+                        # registers (storing after the issue would read registers of an
+                        # in-flight wgmma: ptxas then serializes every wgmma, C7514).
+                        rP.store(acc_S.load().to(self.dtype))
+                        cute.copy(r2s_p, r2s_p.retile(rP), tPsP)
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        warpgroup.fence()
+                        pv_rs.set(warpgroup.Field.ACCUMULATE, True)
+                        for k in cutlass.range_constexpr(n_kv):
+                            cute.gemm(pv_rs, acc_O, tOrP[None, None, k],
+                                      tOrV_own[None, None, k], acc_O)
+                        warpgroup.commit_group()
+                    cute.arch.barrier_arrive(barrier_id=BAR_P1, number_of_threads=self.n_cons)
+                    # O_1 += P0' V0[:, 256:] (P0' from shared memory).
+                    cute.arch.barrier(barrier_id=BAR_P0, number_of_threads=self.n_cons)
+                    warpgroup.fence()
+                    pv_ss.set(warpgroup.Field.ACCUMULATE, True)
+                    for k in cutlass.range_constexpr(n_kv):
+                        cute.gemm(pv_ss, acc_O, tOrP_oth[None, None, k], tOrV_oth[None, None, k],
+                                  acc_O)
+                    warpgroup.commit_group()
+                    if has1:
+                        warpgroup.wait_group(1)
+                        cute.arch.mbarrier_arrive(mbar + EMPTY_1R)
+                    warpgroup.wait_group(0)
+                    cute.arch.mbarrier_arrive(mbar + EMPTY_0R)
+
+            # ---- epilogue (both groups end with the same running max) -------------------
+            l_all = cute.make_rmem_tensor(n_rows, cutlass.Float32)
+            for r in cutlass.range_constexpr(n_rows):
+                l_all[r] = self._quad_allreduce(row_sum[r], lambda a, c: a + c)
+            if gtid % 4 == 0:
+                for r in cutlass.range_constexpr(n_rows):
+                    sRed[cg * bm + tScS[r, 0][0]] = l_all[r]
+            # Also orders every wgmma / P tile / Q read of both groups before the O staging.
+            cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=self.n_cons)
+            for r in cutlass.range_constexpr(n_rows):
+                row = tScS[r, 0][0]
+                l_all[r] = sRed[row] + sRed[bm + row]
+            for r in cutlass.range_constexpr(n_rows):
+                l = l_all[r]
+                mfin = row_max[r]
+                m_use = 0.0 if mfin == -cutlass.Float32.inf else mfin
+                h = h0 + tScS[r, 0][0]
+                denom = l
+                if h < H:
+                    denom = l + cute.math.exp2(mSink[h] * LOG2_E - m_use, fastmath=True)
+                inv = 0.0 if denom <= 0.0 else 1.0 / denom
+                O_mn[r, None] = O_mn[r, None].load() * inv
+                if cg == 0 and gtid % 4 == 0 and h < H:
+                    lse = -cutlass.Float32.inf
+                    if l > 0.0:
+                        lse = (m_use + cute.math.log2(l)) * LN_2
+                    mLse[bt * cutlass.Int64(H) + cutlass.Int64(h)] = lse
+
+            rO = cute.make_fragment_like(acc_O, self.dtype)
+            rO.store(acc_O.load().to(self.dtype))
+            sO = cute.make_tensor(q_base, sO_layout)
+            sOg = cute.make_tensor(
+                q_base + cute.assume(cg * (bm * self.dv_g), divby=512), sOg_layout
+            )
+            r2s = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), pv_rs
+            ).get_slice(gtid)
+            cute.copy(r2s, r2s.retile(rO), r2s.partition_D(sOg))
+            cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=self.n_cons)
+            st_atom = cute.make_copy_atom(
+                cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
+            )
+            if q_ok:
+                o_row = bt * cutlass.Int64(H) + cutlass.Int64(h0 + crow)
+                for i in cutlass.range_constexpr(self.d_v // 8 // self.tpr):
+                    c = csub + self.tpr * i
+                    cute.copy(st_atom, self._chunk(sO, crow, c), self._chunk(mO, o_row, c))
+
+
+def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512):
+    """Compile with shape-only tensors (same argument list as sparse_mla_fwd.compile_fwd)."""
+    rows_q, rows_kv, n_idx, n_tok, n_head = (cute.sym_int64() for _ in range(5))
+    q = make_fake_compact_tensor(dtype, (rows_q, d_qk), stride_order=(1, 0), assumed_align=16)
+    kv = make_fake_compact_tensor(dtype, (rows_kv, d_qk), stride_order=(1, 0), assumed_align=16)
+    idx = make_fake_compact_tensor(cutlass.Int32, (n_idx,), assumed_align=4)
+    tl = make_fake_compact_tensor(cutlass.Int32, (n_tok,), assumed_align=4)
+    sink = make_fake_compact_tensor(cutlass.Float32, (n_head,), assumed_align=4)
+    o = make_fake_compact_tensor(dtype, (rows_q, d_v), stride_order=(1, 0), assumed_align=16)
+    lse = make_fake_compact_tensor(cutlass.Float32, (rows_q,), assumed_align=4)
+    i32 = cutlass.Int32(1)
+    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v), q, kv, idx, tl, sink, o, lse,
+                        i32, i32, i32, i32, i32, cutlass.Float32(1.0), make_fake_stream())

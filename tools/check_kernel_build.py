@@ -1,0 +1,210 @@
+#!/usr/bin/env python
+"""Prove that kernel variants build on a machine without a GPU, and report what ptxas made of
+them: registers, spills, local memory and the SASS instructions that matter.
+
+    python tools/check_kernel_build.py [VARIANT ...] [--only bf16_d576 ...] [--experimental]
+                                       [--out DIR] [--keep-sass] [--allow-spills]
+
+VARIANT is fwd:<tag> or bwd:<tag> with the tags of tools/build_kernels.py (fwd:ws, fwd:smallh,
+fwd:wgmma, fwd:simt, bwd:wg, bwd:, and with --experimental the candidates, e.g. fwd:ws2,
+bwd:wg2), or reduce; default: every stable variant. Backward variants are checked in atomic and
+deterministic form.
+
+For each specialization (bf16/f16 x Dqk 512/576): compile for sm_90a keeping the cubin
+(CUTE_DSL_KEEP=cubin), export_to_c into --out (default /tmp/jax_dsa_kernel_check; nothing in the
+source tree is written), then
+  * cuobjdump --dump-resource-usage: registers, stack frame, local memory per kernel function;
+  * nvdisasm: counts of HGMMA / HMMA, LDGSTS, SYNCS (mbarrier), BAR, UBLKRED (TMA bulk
+    reduce), WARPGROUP.DEPBAR (one after every HGMMA means ptxas serialized the wgmma chain),
+    LDL / STL, and RED / STG vector widths.
+Fails on spills or local memory (unless --allow-spills), on serialized wgmma, on a missing
+tensor-core instruction
+where the variant is built on one (HGMMA for the wgmma kernels, HMMA for the mma.sync backward),
+on scalar fp32 RED, and on RED in a deterministic backward.
+
+cuobjdump / nvdisasm are looked up on PATH, in CUDA_HOME/bin and in /tmp/cudatools
+(`pip install --target /tmp/cudatools nvidia-cuda-nvdisasm nvidia-cuda-cuobjdump`).
+"""
+
+import argparse
+import collections
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+import build_kernels  # noqa: E402  (the variant tables)
+
+# The tensor-core instruction each variant must contain (None: not a tensor-core kernel).
+TENSOR_OP = {"fwd:ws": "HGMMA", "fwd:ws2": "HGMMA", "fwd:smallh": "HGMMA", "fwd:wgmma": "HGMMA",
+             "fwd:simt": None, "bwd:wg2": "HGMMA",
+             "bwd:wg": "HGMMA", "bwd:": "HMMA", "reduce": None}
+
+
+def log(msg):
+    print(f"[check_kernel_build] {msg}", flush=True)
+
+
+def find_tool(name):
+    cands = [shutil.which(name)]
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(env):
+            cands.append(os.path.join(os.environ[env], "bin", name))
+    cands += sorted(glob.glob(f"/tmp/cudatools/nvidia/*/bin/{name}"), reverse=True)
+    cands += sorted(glob.glob(f"/usr/local/cuda*/bin/{name}"), reverse=True)
+    return next((c for c in cands if c and os.access(c, os.X_OK)), None)
+
+
+def sass_facts(sass):
+    """Instruction counts (by base opcode), RED / STG widths, and "HGMMA>DEPBAR": HGMMAs that
+    are directly followed by a WARPGROUP.DEPBAR (all of them: ptxas serialized the chain)."""
+    ops, wide = collections.Counter(), collections.Counter()
+    prev = ""
+    for line in sass.splitlines():
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", line)
+        if not m:
+            continue
+        op = m.group(1)
+        base = op.split(".")[0]
+        ops[base] += 1
+        if op.startswith("WARPGROUP.DEPBAR"):
+            ops["WARPGROUP.DEPBAR"] += 1
+            if prev == "HGMMA":
+                ops["HGMMA>DEPBAR"] += 1
+        prev = base
+        if base in ("RED", "REDG", "ATOMG", "STG"):
+            w = re.search(r"\.(F32x4|F32x2|F32|F16x2|BF16x2|128|64)\b", op)
+            wide[f"{base}.{w.group(1)}" if w else op] += 1
+    return ops, wide
+
+
+def jobs(variants, experimental):
+    """(name, export prefix, compile thunk, deterministic) for every requested specialization."""
+    import importlib
+
+    import cutlass
+
+    dtypes = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
+    tables = {"fwd": dict(build_kernels.FWD_VARIANTS), "bwd": dict(build_kernels.BWD_VARIANTS)}
+    if experimental:
+        tables["fwd"].update(build_kernels.EXPERIMENTAL_FWD)
+        tables["bwd"].update(build_kernels.EXPERIMENTAL_BWD)
+    if not variants:
+        variants = [f"fwd:{t}" for t in tables["fwd"]] + [f"bwd:{t}" for t in tables["bwd"]]
+        variants.append("reduce")
+    out = []
+    for v in variants:
+        if v == "reduce":
+            from jax_dsa.kernels.sm90.sparse_mla_dkv_reduce import compile_dkv_reduce
+            for d in (512, 576):
+                out.append((v, f"jax_dsa_dkvreduce_d{d}", lambda d=d: compile_dkv_reduce(d), False))
+            continue
+        kind, _, tag = v.partition(":")
+        if kind not in tables or tag not in tables[kind]:
+            raise SystemExit(f"unknown variant {v!r}; known: "
+                             + ", ".join(f"{k}:{t}" for k in tables for t in tables[k]))
+        mod_name, fn_name = tables[kind][tag]
+        fn = getattr(importlib.import_module(f"jax_dsa.kernels.sm90.{mod_name}"), fn_name)
+        for dname, d in build_kernels.FWD_SPECS:
+            if kind == "fwd":
+                out.append((v, f"jax_dsa_fwd{tag}_{dname}_d{d}",
+                            lambda fn=fn, dt=dtypes[dname], d=d: fn(dt, d), False))
+            else:
+                for det in (False, True):
+                    out.append((v, f"jax_dsa_bwd{tag}{'det' if det else ''}_{dname}_d{d}",
+                                lambda fn=fn, dt=dtypes[dname], d=d, det=det:
+                                fn(dt, d, deterministic=det), det))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("variants", nargs="*")
+    ap.add_argument("--only", nargs="*", help="substrings of the export prefixes to check")
+    ap.add_argument("--experimental", action="store_true")
+    ap.add_argument("--out", default="/tmp/jax_dsa_kernel_check")
+    ap.add_argument("--keep-sass", action="store_true", help="write <prefix>.sass into --out")
+    ap.add_argument("--allow-spills", action="store_true")
+    args = ap.parse_args()
+
+    t_start = time.time()
+    out = os.path.abspath(args.out)
+    shutil.rmtree(out, ignore_errors=True)
+    dump = os.path.join(out, "dump")
+    os.makedirs(dump)
+    os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+    os.environ["CUTE_DSL_KEEP"] = "cubin"
+    os.environ["CUTE_DSL_DUMP_DIR"] = dump
+    cuobjdump, nvdisasm = find_tool("cuobjdump"), find_tool("nvdisasm")
+    log(f"cuobjdump: {cuobjdump}, nvdisasm: {nvdisasm}")
+    problems, summary = [], []
+    if not cuobjdump or not nvdisasm:
+        problems.append("cuobjdump / nvdisasm not found: resource usage and SASS not checked")
+
+    for variant, prefix, compile_fn, det in jobs(args.variants, args.experimental):
+        if args.only and not any(o in prefix for o in args.only):
+            continue
+        shutil.rmtree(dump, ignore_errors=True)  # the kept cubin is named after the kernel
+        os.makedirs(dump)
+        t0 = time.time()
+        compile_fn().export_to_c(out, prefix, prefix)
+        cubins = sorted(glob.glob(os.path.join(dump, "**", "*.cubin"), recursive=True),
+                        key=os.path.getmtime)
+        line = f"{prefix}: {time.time() - t0:.1f}s"
+        if not all(os.path.isfile(os.path.join(out, prefix + e)) for e in (".h", ".o")):
+            problems.append(f"{prefix}: export not written")
+        if not cubins:
+            problems.append(f"{prefix}: no cubin kept")
+        if not cubins or not cuobjdump or not nvdisasm:
+            log(line)
+            continue
+        cubin = os.path.join(out, prefix + ".cubin")
+        shutil.copyfile(cubins[-1], cubin)
+        res = subprocess.run([cuobjdump, "--dump-resource-usage", cubin], capture_output=True,
+                             text=True).stdout
+        regs = []
+        for _, usage in re.findall(r"Function (\S+):\s*\n\s*(REG:.*)", res):
+            vals = dict(kv.split(":") for kv in usage.split() if ":" in kv)
+            regs.append(vals.get("REG", "?"))
+            if (int(vals.get("STACK", 0)) or int(vals.get("LOCAL", 0))) and not args.allow_spills:
+                problems.append(f"{prefix}: stack {vals.get('STACK')} B / local "
+                                f"{vals.get('LOCAL')} B (spills)")
+        sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True).stdout
+        if args.keep_sass:
+            with open(os.path.join(out, prefix + ".sass"), "w") as f:
+                f.write(sass)
+        ops, wide = sass_facts(sass)
+        line += (f", registers {'/'.join(regs)}, HGMMA {ops['HGMMA']}, HMMA {ops['HMMA']}, "
+                 f"DEPBAR {ops['WARPGROUP.DEPBAR']} ({ops['HGMMA>DEPBAR']} right after an HGMMA), "
+                 f"LDGSTS {ops['LDGSTS']}, SYNCS {ops['SYNCS']}, UBLKRED {ops['UBLKRED']}, "
+                 f"BAR {ops['BAR']}, LDL/STL {ops['LDL']}/{ops['STL']}, RED/STG {dict(wide)}")
+        log(line)
+        summary.append(line)
+        need = TENSOR_OP.get(variant)
+        if need and not ops[need]:
+            problems.append(f"{prefix}: no {need} in the SASS")
+        if ops["HGMMA"] > 2 and ops["HGMMA>DEPBAR"] >= ops["HGMMA"]:
+            problems.append(f"{prefix}: every HGMMA is followed by a DEPBAR (serialized wgmma)")
+        if (ops["LDL"] or ops["STL"]) and not args.allow_spills:
+            problems.append(f"{prefix}: local memory (LDL {ops['LDL']}, STL {ops['STL']})")
+        if any(k.startswith("RED") and k.endswith(".F32") for k in wide):
+            problems.append(f"{prefix}: scalar fp32 RED")
+        if det and any(k.startswith("RED") for k in wide):
+            problems.append(f"{prefix}: RED in a deterministic kernel")
+
+    log(f"done in {time.time() - t_start:.1f}s")
+    if problems:
+        raise SystemExit("check_kernel_build: FAILED\n  " + "\n  ".join(problems))
+    log("OK")
+
+
+if __name__ == "__main__":
+    main()
