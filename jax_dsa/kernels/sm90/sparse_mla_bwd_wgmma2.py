@@ -162,54 +162,17 @@ RED / store is issued for them (wg2: no bulk reduction either). All global offse
 64-bit.
 """
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 import cuda.bindings.driver as cuda
 
-LOG2_E = math.log2(math.e)
+from jax_dsa.kernels.sm90.common import (LOG2_E, bwd_fake_args, compile_options,
+                                         red_add_v4_f32, st_global_v4_f32)
 
-
-@dsl_user_op
-def red_add_v4_f32(ptr, a, b, c, d, *, loc=None, ip=None):
-    """red.global.add.v4.f32 [ptr], {a, b, c, d} (sm_90; ptr 16-byte aligned global memory)."""
-    addr = ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
-    vals = [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)]
-    llvm.inline_asm(
-        None,
-        [addr] + vals,
-        "red.relaxed.gpu.global.add.v4.f32 [$0], {$1, $2, $3, $4};",
-        "l,f,f,f,f",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-
-
-@dsl_user_op
-def st_global_v4_f32(ptr, a, b, c, d, *, loc=None, ip=None):
-    """st.global.v4.f32 [ptr], {a, b, c, d} (ptr 16-byte aligned global memory)."""
-    addr = ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
-    vals = [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)]
-    llvm.inline_asm(
-        None,
-        [addr] + vals,
-        "st.global.v4.f32 [$0], {$1, $2, $3, $4};",
-        "l,f,f,f,f",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
 
 
 @dsl_user_op
@@ -923,28 +886,8 @@ def shared_storage_bytes(dtype, d_qk: int, d_v: int = 512, deterministic: bool =
 
 
 def compile_bwd_wgmma2(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                      options: str | None = None):
-    """Compile one specialization with fake (shape-only) tensors; no GPU needed. `options` are
-    extra cute.compile options, e.g. "--ptxas-options '-v'"."""
-    rows_q = cute.sym_int64()
-    rows_kv = cute.sym_int64()
-    n_idx = cute.sym_int64()
-    n_tok = cute.sym_int64()
-    n_coef = cute.sym_int64()
-    q = make_fake_compact_tensor(dtype, (rows_q, d_qk), stride_order=(1, 0), assumed_align=16)
-    kv = make_fake_compact_tensor(dtype, (rows_kv, d_qk), stride_order=(1, 0), assumed_align=16)
-    idx = make_fake_compact_tensor(cutlass.Int32, (n_idx,), assumed_align=4)
-    tl = make_fake_compact_tensor(cutlass.Int32, (n_tok,), assumed_align=4)
-    lse = make_fake_compact_tensor(cutlass.Float32, (rows_q,), assumed_align=4)
-    do = make_fake_compact_tensor(dtype, (rows_q, d_v), stride_order=(1, 0), assumed_align=16)
-    coef = make_fake_compact_tensor(cutlass.Float32, (n_coef,), assumed_align=8)
-    dq = make_fake_compact_tensor(dtype, (rows_q, d_qk), stride_order=(1, 0), assumed_align=16)
-    dkv = make_fake_compact_tensor(cutlass.Float32, (rows_kv, d_qk), stride_order=(1, 0),
-                                   assumed_align=16)
-    op = SparseMlaBwdWgmma2Sm90(dtype, d_qk, d_v, deterministic)
-    i32 = cutlass.Int32(1)
-    return cute.compile(
-        op, q, kv, idx, tl, lse, do, coef, dq, dkv, i32, i32, i32, i32, i32, i32, i32,
-        cutlass.Float32(1.0), make_fake_stream(),
-        **({"options": options} if options else {}),
-    )
+                       options: str | None = None):
+    """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
+    needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
+    return cute.compile(SparseMlaBwdWgmma2Sm90(dtype, d_qk, d_v, deterministic),
+                        *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))

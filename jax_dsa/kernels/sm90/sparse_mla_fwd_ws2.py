@@ -80,10 +80,9 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 import cuda.bindings.driver as cuda
 
-from jax_dsa.kernels.sm90.sparse_mla_fwd import LN_2, LOG2_E
+from jax_dsa.kernels.sm90.common import LN_2, LOG2_E, fwd_fake_args
 from jax_dsa.kernels.sm90.sparse_mla_fwd_ws import SparseMlaFwdWsSm90
 
 CONSUMER_BAR = 1  # both consumer groups (Q ready, epilogue)
@@ -643,15 +642,5 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
 
 
 def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512):
-    """Compile with shape-only tensors (same argument list as sparse_mla_fwd.compile_fwd)."""
-    rows_q, rows_kv, n_idx, n_tok, n_head = (cute.sym_int64() for _ in range(5))
-    q = make_fake_compact_tensor(dtype, (rows_q, d_qk), stride_order=(1, 0), assumed_align=16)
-    kv = make_fake_compact_tensor(dtype, (rows_kv, d_qk), stride_order=(1, 0), assumed_align=16)
-    idx = make_fake_compact_tensor(cutlass.Int32, (n_idx,), assumed_align=4)
-    tl = make_fake_compact_tensor(cutlass.Int32, (n_tok,), assumed_align=4)
-    sink = make_fake_compact_tensor(cutlass.Float32, (n_head,), assumed_align=4)
-    o = make_fake_compact_tensor(dtype, (rows_q, d_v), stride_order=(1, 0), assumed_align=16)
-    lse = make_fake_compact_tensor(cutlass.Float32, (rows_q,), assumed_align=4)
-    i32 = cutlass.Int32(1)
-    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v), q, kv, idx, tl, sink, o, lse,
-                        i32, i32, i32, i32, i32, cutlass.Float32(1.0), make_fake_stream())
+    """Compile with shape-only tensors (common.fwd_fake_args)."""
+    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v), *fwd_fake_args(dtype, d_qk, d_v))
