@@ -140,6 +140,8 @@ def main():
         rcs = {}
         for impl in IMPLS:
             cmd = [sys.executable, os.path.abspath(__file__), "--impl", impl]
+            if impl == "smallh":  # the small-H kernel takes H <= 32 only
+                cmd += ["--max-heads", "32"]
             if args.skip_timing or impl == "simt":  # the SIMT kernel is only a cross-check
                 cmd.append("--skip-timing")
             print(f"===== impl={impl}", flush=True)
