@@ -46,7 +46,7 @@ EXPERIMENTAL_FWD = {
     "ws2": ("sparse_mla_fwd_ws2", "compile_fwd_ws2"),
 }
 EXPERIMENTAL_BWD = {
-    "wg2": ("sparse_mla_bwd_wgmma2", "compile_bwd_wgmma2"),
+    "wg2": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma_bulk"),  # dkv by TMA bulk reduce-add
 }
 # (dtype name, Dqk); one export per variant and spec.
 FWD_SPECS = [("bf16", 512), ("bf16", 576), ("f16", 512), ("f16", 576)]
