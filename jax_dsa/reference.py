@@ -9,8 +9,6 @@ differentiating through the gather: dkv is a scatter-add that drops invalid entr
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax

@@ -598,13 +598,11 @@ class _SmallHKernel:
         pv_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
-        bn, np_, nc, nk, ring = self.bn, self.np_, self.nc, self.nk, self.ring
+        np_, ring = self.np_, self.ring
         tidx, _, _ = cute.arch.thread_idx()
         bx, _, _ = cute.arch.block_idx()
         wg = tidx // 128
         gtid = tidx % 128
-        warp = gtid // 32
-        lane = tidx % 32
 
         tok_begin = bx * tpc
         tok_end = cutlass.min(tok_begin + tpc, BT)

@@ -376,56 +376,73 @@ class SparseMlaFwdWsSm90(SparseMlaFwdWgmmaSm90):
                 cute.arch.mbarrier_arrive(mbar + 2 + stage)
 
             # ---- epilogue ------------------------------------------------------------
-            l_all = cute.make_rmem_tensor(n_rows, cutlass.Float32)
-            for r in cutlass.range_constexpr(n_rows):
-                l_all[r] = self._quad_allreduce(row_sum[r], lambda a, c: a + c)
             # Each consumer summed only its own blocks (with the shared running max). The
-            # last in-loop barrier ordered every read of sRed before these writes.
-            if gtid % 4 == 0:
-                for r in cutlass.range_constexpr(n_rows):
-                    sRed[cg * bm + tScS[r, 0][0]] = l_all[r]
-            cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=self.n_cons)
-            for r in cutlass.range_constexpr(n_rows):
-                row = tScS[r, 0][0]
-                l_all[r] = sRed[row] + sRed[bm + row]
-            O_mn = self._acc_mn_view(acc_O)
-            for r in cutlass.range_constexpr(n_rows):
-                l = l_all[r]
-                m = row_max[r]
-                m_use = 0.0 if m == -cutlass.Float32.inf else m
-                h = h0 + tScS[r, 0][0]
-                denom = l
-                if h < H:
-                    denom = l + cute.math.exp2(mSink[h] * LOG2_E - m_use, fastmath=True)
-                inv = 0.0 if denom <= 0.0 else 1.0 / denom
-                O_mn[r, None] = O_mn[r, None].load() * inv
-                if cg == 0 and gtid % 4 == 0 and h < H:
-                    lse = -cutlass.Float32.inf
-                    if l > 0.0:
-                        lse = (m_use + cute.math.log2(l)) * LN_2
-                    mLse[bt * cutlass.Int64(H) + cutlass.Int64(h)] = lse
+            # last in-loop barrier ordered every read of sRed before the epilogue's writes, and
+            # every Q K^T before the O staging in the (dead) Q tile.
+            self._epilogue(acc_O, row_sum, row_max, tScS, sRed, mSink, mLse, mO, q_base,
+                           sO_layout, sOg_layout, pv_mma, bt, h0, H, cg, gtid, crow, csub, q_ok)
 
-            # O through shared memory (the Q tile is dead: every Q K^T completed before the
-            # last in-loop barrier).
-            rO = cute.make_fragment_like(acc_O, self.dtype)
-            rO.store(acc_O.load().to(self.dtype))
-            sO = cute.make_tensor(q_base, sO_layout)
-            sOg = cute.make_tensor(
-                q_base + cute.assume(cg * (bm * self.dv_g), divby=512), sOg_layout
-            )
-            r2s = cute.make_tiled_copy_C(
-                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), pv_mma
-            ).get_slice(gtid)
-            cute.copy(r2s, r2s.retile(rO), r2s.partition_D(sOg))
-            cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=self.n_cons)
-            st_atom = cute.make_copy_atom(
-                cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
-            )
-            if q_ok:
-                o_row = bt * cutlass.Int64(H) + cutlass.Int64(h0 + crow)
-                for i in cutlass.range_constexpr(self.d_v // 8 // self.tpr):
-                    c = csub + self.tpr * i
-                    cute.copy(st_atom, self._chunk(sO, crow, c), self._chunk(mO, o_row, c))
+    @cute.jit
+    def _epilogue(self, acc_O: cute.Tensor, row_sum: cute.Tensor, row_max: cute.Tensor,
+                  tScS: cute.Tensor, sRed: cute.Tensor, mSink: cute.Tensor, mLse: cute.Tensor,
+                  mO: cute.Tensor, q_base, sO_layout: cute.ComposedLayout,
+                  sOg_layout: cute.ComposedLayout, o_mma: cute.TiledMma, bt: cutlass.Int64,
+                  h0: cutlass.Int32, H: cutlass.Int32, cg: cutlass.Int32, gtid: cutlass.Int32,
+                  crow: cutlass.Int32, csub: cutlass.Int32, q_ok: cutlass.Boolean):
+        """Consumers, after the last block: add the two groups' row sums (through sRed and the
+        consumer barrier), normalise O with the sink in the denominator only, write lse (natural
+        log; -inf on dead rows) for live heads, and store O through shared memory (the Q tile)
+        with 16-byte stores for live heads only. o_mma is the MMA whose C layout acc_O has."""
+        bm = self.bm
+        n_rows = cute.size(tScS, mode=[0])
+        l_all = cute.make_rmem_tensor(n_rows, cutlass.Float32)
+        for r in cutlass.range_constexpr(n_rows):
+            l_all[r] = self._quad_allreduce(row_sum[r], lambda a, c: a + c)
+        if gtid % 4 == 0:
+            for r in cutlass.range_constexpr(n_rows):
+                sRed[cg * bm + tScS[r, 0][0]] = l_all[r]
+        cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=self.n_cons)
+        for r in cutlass.range_constexpr(n_rows):
+            row = tScS[r, 0][0]
+            l_all[r] = sRed[row] + sRed[bm + row]
+        O_mn = self._acc_mn_view(acc_O)
+        for r in cutlass.range_constexpr(n_rows):
+            l = l_all[r]
+            m = row_max[r]
+            m_use = 0.0 if m == -cutlass.Float32.inf else m
+            h = h0 + tScS[r, 0][0]
+            denom = l
+            if h < H:
+                denom = l + cute.math.exp2(mSink[h] * LOG2_E - m_use, fastmath=True)
+            inv = 0.0 if denom <= 0.0 else 1.0 / denom
+            O_mn[r, None] = O_mn[r, None].load() * inv
+            if cg == 0 and gtid % 4 == 0 and h < H:
+                lse = -cutlass.Float32.inf
+                if l > 0.0:
+                    lse = (m_use + cute.math.log2(l)) * LN_2
+                mLse[bt * cutlass.Int64(H) + cutlass.Int64(h)] = lse
+
+        # O through shared memory (the Q tile is dead: every Q K^T completed before the
+        # last in-loop barrier).
+        rO = cute.make_fragment_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        sO = cute.make_tensor(q_base, sO_layout)
+        sOg = cute.make_tensor(
+            q_base + cute.assume(cg * (bm * self.dv_g), divby=512), sOg_layout
+        )
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), o_mma
+        ).get_slice(gtid)
+        cute.copy(r2s, r2s.retile(rO), r2s.partition_D(sOg))
+        cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=self.n_cons)
+        st_atom = cute.make_copy_atom(
+            cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
+        )
+        if q_ok:
+            o_row = bt * cutlass.Int64(H) + cutlass.Int64(h0 + crow)
+            for i in cutlass.range_constexpr(self.d_v // 8 // self.tpr):
+                c = csub + self.tpr * i
+                cute.copy(st_atom, self._chunk(sO, crow, c), self._chunk(mO, o_row, c))
 
 
 def compile_fwd_ws(dtype, d_qk: int, d_v: int = 512):

@@ -82,7 +82,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 import cuda.bindings.driver as cuda
 
-from jax_dsa.kernels.sm90.common import LN_2, LOG2_E, fwd_fake_args
+from jax_dsa.kernels.sm90.common import LOG2_E, fwd_fake_args
 from jax_dsa.kernels.sm90.sparse_mla_fwd_ws import SparseMlaFwdWsSm90
 
 CONSUMER_BAR = 1  # both consumer groups (Q ready, epilogue)
@@ -593,52 +593,10 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                     cute.arch.mbarrier_arrive(mbar + EMPTY_0R)
 
             # ---- epilogue (both groups end with the same running max) -------------------
-            l_all = cute.make_rmem_tensor(n_rows, cutlass.Float32)
-            for r in cutlass.range_constexpr(n_rows):
-                l_all[r] = self._quad_allreduce(row_sum[r], lambda a, c: a + c)
-            if gtid % 4 == 0:
-                for r in cutlass.range_constexpr(n_rows):
-                    sRed[cg * bm + tScS[r, 0][0]] = l_all[r]
-            # Also orders every wgmma / P tile / Q read of both groups before the O staging.
-            cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=self.n_cons)
-            for r in cutlass.range_constexpr(n_rows):
-                row = tScS[r, 0][0]
-                l_all[r] = sRed[row] + sRed[bm + row]
-            for r in cutlass.range_constexpr(n_rows):
-                l = l_all[r]
-                mfin = row_max[r]
-                m_use = 0.0 if mfin == -cutlass.Float32.inf else mfin
-                h = h0 + tScS[r, 0][0]
-                denom = l
-                if h < H:
-                    denom = l + cute.math.exp2(mSink[h] * LOG2_E - m_use, fastmath=True)
-                inv = 0.0 if denom <= 0.0 else 1.0 / denom
-                O_mn[r, None] = O_mn[r, None].load() * inv
-                if cg == 0 and gtid % 4 == 0 and h < H:
-                    lse = -cutlass.Float32.inf
-                    if l > 0.0:
-                        lse = (m_use + cute.math.log2(l)) * LN_2
-                    mLse[bt * cutlass.Int64(H) + cutlass.Int64(h)] = lse
-
-            rO = cute.make_fragment_like(acc_O, self.dtype)
-            rO.store(acc_O.load().to(self.dtype))
-            sO = cute.make_tensor(q_base, sO_layout)
-            sOg = cute.make_tensor(
-                q_base + cute.assume(cg * (bm * self.dv_g), divby=512), sOg_layout
-            )
-            r2s = cute.make_tiled_copy_C(
-                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), pv_rs
-            ).get_slice(gtid)
-            cute.copy(r2s, r2s.retile(rO), r2s.partition_D(sOg))
-            cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=self.n_cons)
-            st_atom = cute.make_copy_atom(
-                cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
-            )
-            if q_ok:
-                o_row = bt * cutlass.Int64(H) + cutlass.Int64(h0 + crow)
-                for i in cutlass.range_constexpr(self.d_v // 8 // self.tpr):
-                    c = csub + self.tpr * i
-                    cute.copy(st_atom, self._chunk(sO, crow, c), self._chunk(mO, o_row, c))
+            # (its consumer barrier also orders every wgmma / P tile / Q read of both groups
+            # before the O staging)
+            self._epilogue(acc_O, row_sum, row_max, tScS, sRed, mSink, mLse, mO, q_base,
+                           sO_layout, sOg_layout, pv_rs, bt, h0, H, cg, gtid, crow, csub, q_ok)
 
 
 def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512):
