@@ -115,3 +115,26 @@ def test_deterministic_flag_keeps_the_reference_gradients():
 
   for a, b in zip(grads(False), grads(True)):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_flax_module_passes_deterministic_backward_through():
+  """SparseMLA(deterministic_backward=True) is sparse_mla(..., deterministic=True), and NNX's
+  eval() / train() (which set attributes named `deterministic`) leave it alone."""
+  from flax import nnx
+  from jax_dsa.flax import SparseMLA
+
+  q, kv, idx = _args(h=3, d=64)
+  layer = SparseMLA(3, d_v=32, deterministic_backward=True, sink_init=0.5)
+  layer.eval()
+  layer.train()
+  assert layer.deterministic_backward is True
+
+  def loss(layer, q):
+    return jnp.sum(layer(q, kv, idx).astype(jnp.float32) ** 2)
+
+  grads = nnx.grad(loss, argnums=(0, 1))(layer, q)
+  want = jax.grad(lambda s, q: jnp.sum(jax_dsa.sparse_mla(
+      q, kv, idx, sink=s, d_v=32, deterministic=True).astype(jnp.float32) ** 2),
+      argnums=(0, 1))(jnp.full((3,), 0.5, jnp.float32), q)
+  np.testing.assert_array_equal(np.asarray(grads[0].sink[...]), np.asarray(want[0]))
+  np.testing.assert_array_equal(np.asarray(grads[1], np.float32), np.asarray(want[1], np.float32))
