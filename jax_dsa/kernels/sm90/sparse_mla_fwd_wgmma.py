@@ -34,6 +34,24 @@ class SparseMlaFwdWgmmaSm90(SparseMlaFwdSm90):
         self.split_qk = split_qk
         self.bn_g = self.bn // 2 if split_qk else self.bn  # score columns per group
 
+    def _smem_layouts(self):
+        """Shared-memory layouts of the 64-head tile kernels (this one, ws, ws2): the 128 B
+        K-major swizzle atom, then the outer layouts of Q, a KV stage, V^T (MN-major view of the
+        same bytes), a P tile (the swizzle goes on the pointers: byte-address swizzle), and the
+        software-swizzled O staging tile (element-unit 128 B swizzle), whole and per group."""
+        k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
+        mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, self.dtype)
+        sQ_layout = cute.tile_to_shape(k_atom, (self.bm, self.d_qk), (0, 1))
+        sKV_layout = cute.tile_to_shape(k_atom, (self.bn, self.d_qk), (0, 1))
+        sVt_layout = cute.tile_to_shape(mn_atom, (self.dv_g, self.bn), (1, 0))
+        sP_layout = cute.tile_to_shape(k_atom, (self.bm, self.bn), (0, 1))
+        o_atom = cute.make_composed_layout(
+            cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
+        )
+        sO_layout = cute.tile_to_shape(o_atom, (self.bm, self.d_v), (0, 1))
+        sOg_layout = cute.tile_to_shape(o_atom, (self.bm, self.dv_g), (0, 1))
+        return k_atom, sQ_layout, sKV_layout, sVt_layout, sP_layout, sO_layout, sOg_layout
+
     @cute.jit
     def __call__(
         self,
@@ -52,19 +70,8 @@ class SparseMlaFwdWgmmaSm90(SparseMlaFwdSm90):
         scale: cutlass.Float32,
         stream: cuda.CUstream,
     ):
-        k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
-        mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, self.dtype)
-        # Outer layouts only; the swizzle goes on the pointers (byte-address swizzle).
-        sQ_layout = cute.tile_to_shape(k_atom, (self.bm, self.d_qk), (0, 1))
-        sKV_layout = cute.tile_to_shape(k_atom, (self.bn, self.d_qk), (0, 1))
-        sVt_layout = cute.tile_to_shape(mn_atom, (self.dv_g, self.bn), (1, 0))
-        sP_layout = cute.tile_to_shape(k_atom, (self.bm, self.bn), (0, 1))
-        # O staging (software only): element-unit 128 B swizzle.
-        o_atom = cute.make_composed_layout(
-            cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
-        )
-        sO_layout = cute.tile_to_shape(o_atom, (self.bm, self.d_v), (0, 1))
-        sOg_layout = cute.tile_to_shape(o_atom, (self.bm, self.dv_g), (0, 1))
+        k_atom, sQ_layout, sKV_layout, sVt_layout, sP_layout, sO_layout, sOg_layout = (
+            self._smem_layouts())
 
         @cute.struct
         class SharedStorage:

@@ -125,17 +125,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
         scale: cutlass.Float32,
         stream: cuda.CUstream,
     ):
-        k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
-        mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, self.dtype)
-        sQ_layout = cute.tile_to_shape(k_atom, (self.bm, self.d_qk), (0, 1))
-        sKV_layout = cute.tile_to_shape(k_atom, (self.bn, self.d_qk), (0, 1))
-        sVt_layout = cute.tile_to_shape(mn_atom, (self.dv_g, self.bn), (1, 0))
-        sP_layout = cute.tile_to_shape(k_atom, (self.bm, self.bn), (0, 1))
-        o_atom = cute.make_composed_layout(
-            cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
-        )
-        sO_layout = cute.tile_to_shape(o_atom, (self.bm, self.d_v), (0, 1))
-        sOg_layout = cute.tile_to_shape(o_atom, (self.bm, self.dv_g), (0, 1))
+        k_atom, sQ_layout, sKV_layout, sVt_layout, sP_layout, sO_layout, sOg_layout = (
+            self._smem_layouts())
         # P tiles: Dqk 576 -> P0 in stage 0's rope columns, only P1 here; Dqk 512 -> both.
         p_elems = cute.cosize(sP_layout) * (1 if self.p_in_rope else 2)
 
