@@ -74,10 +74,10 @@ cudaError_t LoadAll() {
 }
 
 // Kernel variant. By default H <= 32 (tensor-parallel shards) runs the small-H kernel (heads on
-// wgmma's N side) and larger H the warp-specialized wgmma kernel (ws). JAX_DSA_FWD_IMPL (read
-// once) forces one variant for every H: ws, smallh (H <= 32 only), wgmma (64-head tiles, no
-// producer warps), simt (plain cross-check), or a candidate built with
-// tools/build_kernels.py --experimental. Export prefix: jax_dsa_fwd<tag>_<dtype>_d<Dqk>.
+// wgmma's N side) and larger H the warp-specialized ping-pong wgmma kernel (ws2).
+// JAX_DSA_FWD_IMPL (read once) forces one variant for every H: ws2, ws (its predecessor, both
+// consumers on every block), smallh (H <= 32 only), simt (plain cross-check), or a candidate
+// built with tools/build_kernels.py --experimental. Export: jax_dsa_fwd<tag>_<dtype>_d<Dqk>.
 constexpr int64_t kSmallHeads = 32;
 
 const std::string& ForcedImpl() {
@@ -90,7 +90,7 @@ const std::string& ForcedImpl() {
 
 std::string FwdTag(int64_t heads) {
   const std::string& forced = ForcedImpl();
-  if (forced.empty() || forced == "default") return heads <= kSmallHeads ? "smallh" : "ws";
+  if (forced.empty() || forced == "default") return heads <= kSmallHeads ? "smallh" : "ws2";
   return forced;
 }
 

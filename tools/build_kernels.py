@@ -25,13 +25,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIB_NAME = "libjax_dsa_sm90.so"
 
 # Forward variants: export-prefix tag -> (kernel module, compile function). By default the FFI
-# handler runs "smallh" for H <= 32 and "ws" above; JAX_DSA_FWD_IMPL=<tag> forces another one.
-# (sparse_mla_fwd.py's mma.sync kernel and the wgmma split variant stay in the source as base
-# classes and history, no longer exported.)
+# handler runs "smallh" for H <= 32 and "ws2" above; JAX_DSA_FWD_IMPL=<tag> forces another one.
+# (sparse_mla_fwd.py's mma.sync kernel and sparse_mla_fwd_wgmma.py stay in the source as base
+# classes of ws / ws2, no longer exported.)
 FWD_VARIANTS = {
+    "ws2": ("sparse_mla_fwd_ws2", "compile_fwd_ws2"),
     "ws": ("sparse_mla_fwd_ws", "compile_fwd_ws"),
     "smallh": ("sparse_mla_fwd_smallh", "compile_fwd_smallh"),
-    "wgmma": ("sparse_mla_fwd_wgmma", "compile_fwd_wgmma"),
     "simt": ("sparse_mla_fwd_simt", "compile_fwd_simt"),
 }
 # Backward variants, each exported in atomic and deterministic form: "wg" (wgmma, the default)
@@ -42,12 +42,10 @@ BWD_VARIANTS = {
 }
 # Candidates not yet validated on a GPU: built only with --experimental, selected with
 # JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>. A module that does not exist yet is skipped.
-EXPERIMENTAL_FWD = {
-    "ws2": ("sparse_mla_fwd_ws2", "compile_fwd_ws2"),
-}
-EXPERIMENTAL_BWD = {
-    "wg2": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma_bulk"),  # dkv by TMA bulk reduce-add
-}
+# (None at the moment: ws2 became the default forward; the wg2 backward was measured slower
+# and dropped, see docs/performance.md.)
+EXPERIMENTAL_FWD: dict = {}
+EXPERIMENTAL_BWD: dict = {}
 # (dtype name, Dqk); one export per variant and spec.
 FWD_SPECS = [("bf16", 512), ("bf16", 576), ("f16", 512), ("f16", 576)]
 

@@ -5,9 +5,9 @@ them: registers, spills, local memory and the SASS instructions that matter.
     python tools/check_kernel_build.py [VARIANT ...] [--only bf16_d576 ...] [--experimental]
                                        [--out DIR] [--keep-sass] [--allow-spills]
 
-VARIANT is fwd:<tag> or bwd:<tag> with the tags of tools/build_kernels.py (fwd:ws, fwd:smallh,
-fwd:wgmma, fwd:simt, bwd:wg, bwd:, and with --experimental the candidates, e.g. fwd:ws2,
-bwd:wg2), or reduce; default: every stable variant. Backward variants are checked in atomic and
+VARIANT is fwd:<tag> or bwd:<tag> with the tags of tools/build_kernels.py (fwd:ws2, fwd:ws,
+fwd:smallh, fwd:simt, bwd:wg, bwd:, and with --experimental any candidates), or reduce;
+default: every stable variant. Backward variants are checked in atomic and
 deterministic form.
 
 For each specialization (bf16/f16 x Dqk 512/576): compile for sm_90a keeping the cubin
@@ -43,8 +43,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 import build_kernels  # noqa: E402  (the variant tables)
 
 # The tensor-core instruction each variant must contain (None: not a tensor-core kernel).
-TENSOR_OP = {"fwd:ws": "HGMMA", "fwd:ws2": "HGMMA", "fwd:smallh": "HGMMA", "fwd:wgmma": "HGMMA",
-             "fwd:simt": None, "bwd:wg2": "HGMMA",
+TENSOR_OP = {"fwd:ws": "HGMMA", "fwd:ws2": "HGMMA", "fwd:smallh": "HGMMA", "fwd:simt": None,
              "bwd:wg": "HGMMA", "bwd:": "HMMA", "reduce": None}
 
 

@@ -46,29 +46,6 @@ def st_global_v4_f32(ptr, a, b, c, d, *, loc=None, ip=None):
     _v4_f32("st.global.v4.f32", ptr, (a, b, c, d), loc, ip)
 
 
-@dsl_user_op
-def bulk_reduce_add_f32(gptr, sptr, nbytes: int, *, loc=None, ip=None):
-    """cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [gptr], [sptr], nbytes:
-    element-wise fp32 add of nbytes contiguous shared-memory bytes into global memory, done by
-    the copy engine (TMA). Both addresses 16-byte aligned, nbytes a multiple of 16 (PTX ISA,
-    sm_90). Completion is tracked per issuing thread by cp.async.bulk.commit_group /
-    wait_group."""
-    g = gptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
-    sa = sptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
-    n = cutlass.Int32(nbytes).ir_value(loc=loc, ip=ip)
-    llvm.inline_asm(
-        None,
-        [g, sa, n],
-        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
-        "l,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-
-
 def _rows(dtype, n_rows, n_cols, align=16):
     return make_fake_compact_tensor(dtype, (n_rows, n_cols), stride_order=(1, 0),
                                     assumed_align=align)

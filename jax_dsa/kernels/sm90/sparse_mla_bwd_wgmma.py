@@ -78,21 +78,6 @@ Heads h >= H: zero rows of Q / dO in smem (never read from global), p~ = 0 (lse 
 stored. Dead rows (lse = -inf): all gradients 0. Invalid entries (j >= min(K, topk_length),
 idx < 0, idx >= S): their smem rows are zero-filled (never read from global), p~ = 0, and no
 RED / store is issued for them. All global offsets are 64-bit.
-
-Candidate bulk_reduce=True (experimental tag "wg2", JAX_DSA_BWD_IMPL=wg2; not yet run on a GPU):
-the atomic kernel at Dqk 512 adds each 64 x 64 fp32 dKV chunk with TMA bulk reductions instead
-of red.global.add.v4.f32. The default kernel is scatter-bound (H = 8 / 16 / 64 take 2.75 / 2.77 /
-3.13 ms on the H200 at T = S = 4096, K = 640: 5.4 GB of 16-byte REDs, ~2 TB/s). Per chunk, WG1
-stores its accumulator into a 16 KB fp32 staging tile (256-byte rows, skewed 16 B per row mod 8
-for conflict-free stores while each row stays contiguous), fence.proxy.async, and lanes 0-15 of
-each warp issue one 256-byte cp.reduce.async.bulk .add.f32 each for their own row, only where
-the index is valid; the previous chunk's reductions are issued while the next chunk's wgmmas
-run, and cp.async.bulk.wait_group.read guards the single staging buffer. At Dqk 512 the tile
-fits in the 17 KB left (230400 B dynamic, the size the 576 kernel already launches with); Dqk
-576 and deterministic mode keep the RED / store path. Predicted, with R the unmeasured L2 rate
-of 256-byte bulk fp32 adds: R = 3.5 TB/s gives H = 16 ~1.7 ms, H = 64 ~2.0 ms, H = 128 ~3.7 ms.
-To test first: rows at invalid indices untouched (the canary test), the fence cost while WG1's
-gathers are in flight, and the launch at 230400 B.
 """
 
 import cutlass
@@ -101,8 +86,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 import cuda.bindings.driver as cuda
 
-from jax_dsa.kernels.sm90.common import (LOG2_E, bulk_reduce_add_f32, bwd_fake_args,
-                                         compile_options, red_add_v4_f32, st_global_v4_f32)
+from jax_dsa.kernels.sm90.common import (LOG2_E, bwd_fake_args, compile_options,
+                                         red_add_v4_f32, st_global_v4_f32)
 
 
 
@@ -113,8 +98,7 @@ DS_EMPTY = 2
 
 
 class SparseMlaBwdWgmmaSm90:
-    def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                 bulk_reduce: bool = False):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -137,18 +121,6 @@ class SparseMlaBwdWgmmaSm90:
         self.io_tpr = self.threads // self.bm  # 4 threads per row for Q / dO / dQ copies
         self.n_ch = d_qk // 64  # dKV 64-column chunks (9 or 8)
         self.skip_heads = True  # issue only ceil(live heads / 16) dKV k-steps
-        # bulk_reduce: the dKV scatter by TMA bulk reductions (module docstring), atomic mode at
-        # Dqk 512 only (Dqk 576 has no 16 KB of shared memory left; it keeps red.global.add.v4.f32).
-        self.bulk = bulk_reduce and (not deterministic) and d_qk == 512
-        # staging tile: 64 rows x 64 fp32, row R at float offset (R % 8) * 68 + (R // 8) * 512
-        # (256 B rows, skewed by 16 B per row mod 8: conflict-free 8-byte fragment stores,
-        # rows stay contiguous and 16-byte aligned for the bulk copy)
-        self.st_rows = self.bn
-        self.st_cols = 64
-        self.st_skew = 4  # floats
-        self.st_floats = 7 * (self.st_cols + self.st_skew) + 7 * 8 * self.st_cols + self.st_cols
-        if not self.bulk:
-            self.st_floats = 4  # unused placeholder
 
 
     # ---------------------------------------------------------------- host side
@@ -228,7 +200,6 @@ class SparseMlaBwdWgmmaSm90:
     # ---------------------------------------------------------------- helpers
     def _shared_storage(self, sQ_layout, sDO_layout, sKV_layout, sT_layout):
         dt = self.dtype
-        bulk, st_floats = self.bulk, self.st_floats
 
         @cute.struct
         class SharedStorage:
@@ -237,8 +208,6 @@ class SparseMlaBwdWgmmaSm90:
             sKV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sT_layout)], 1024]
             sDS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sT_layout)], 1024]
-            if bulk:  # fp32 dKV staging for the bulk reductions
-                sStage: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, st_floats], 128]
             sRow: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * self.bn], 16]
             mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 4], 8]
 
@@ -574,27 +543,6 @@ class SparseMlaBwdWgmmaSm90:
             if cutlass.const_expr(not self.fold_scale):
                 out_scale = scale
             tok_row0 = cutlass.Int64(bt32 - t_begin) * cutlass.Int64(K)
-            # bulk-reduce staging: this thread's accumulator slots in the fp32 staging tile,
-            # and the one row (R = 16 warp + lane, lanes 0-15) whose bulk reduction it issues
-            # (warp w of the warpgroup owns accumulator rows 16 w .. 16 w + 15).
-            tCsS = None
-            st_row_ptr = None
-            st_R = None
-            st_issuer = None
-            if cutlass.const_expr(self.bulk):
-                st_base = storage.sStage.data_ptr()
-                tCsS = None
-                st_row_ptr = st_base
-                st_R = cutlass.Int32(0)
-                st_issuer = (gtid % 32) < 16
-                c68 = self.st_cols + self.st_skew
-                sStage = cute.make_tensor(
-                    st_base,
-                    cute.make_layout(((8, 8), self.st_cols), stride=((c68, 8 * self.st_cols), 1)),
-                )
-                tCsS = thr_kv.partition_C(sStage)
-                st_R = (gtid // 32) * 16 + (gtid % 16)
-                st_row_ptr = st_base + ((st_R % 8) * c68 + (st_R // 8) * (8 * self.st_cols))
             dq1_mma.set(warpgroup.Field.ACCUMULATE, True)
             dqr_mma.set(warpgroup.Field.ACCUMULATE, True)
             dkv_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -626,21 +574,14 @@ class SparseMlaBwdWgmmaSm90:
                     cute.arch.mbarrier_arrive(mbar + KV_FULL)
 
                 # dKV for this block, 64 columns at a time
-                if cutlass.const_expr(self.bulk):
-                    row = cutlass.Int32(-1)
-                    g_base = cutlass.Int64(0)
-                    # the row this lane reduces into (-1: invalid entry, never issued)
-                    row = sRow[slot * bn + st_R]
-                    g_base = (kv_batch + cutlass.Int64(row)) * cutlass.Int64(d_qk)
+                row = sRow[slot * bn + kr_mine]
+                j_row = cutlass.Int64(blk * bn + kr_mine)
+                g_base = cutlass.Int64(0)
+                if cutlass.const_expr(self.deterministic):
+                    g_base = ((tok_row0 + j_row) * cutlass.Int64(n_hb)
+                              + cutlass.Int64(hb)) * cutlass.Int64(d_qk)
                 else:
-                    row = sRow[slot * bn + kr_mine]
-                    j_row = cutlass.Int64(blk * bn + kr_mine)
-                    g_base = cutlass.Int64(0)
-                    if cutlass.const_expr(self.deterministic):
-                        g_base = ((tok_row0 + j_row) * cutlass.Int64(n_hb)
-                                  + cutlass.Int64(hb)) * cutlass.Int64(d_qk)
-                    else:
-                        g_base = (kv_batch + cutlass.Int64(row)) * cutlass.Int64(d_qk)
+                    g_base = (kv_batch + cutlass.Int64(row)) * cutlass.Int64(d_qk)
                 for ch in cutlass.range(self.n_ch, unroll=1):
                     sQc = cute.make_tensor(q_sw + cute.assume(ch * (bm * 64), divby=512),
                                            sTt_layout)
@@ -660,35 +601,10 @@ class SparseMlaBwdWgmmaSm90:
                         self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 2)
                     else:
                         self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 3)
-                    if cutlass.const_expr(self.bulk):
-                        # issue the previous chunk's bulk reductions (staged and fenced at the
-                        # end of the previous iteration) while this chunk's wgmma runs, then
-                        # wait until the copy engine has read the staging tile
-                        if ch > 0:
-                            self._bulk_issue(st_issuer, row, g_base, ch - 1, st_row_ptr, mDKV)
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-                        warpgroup.wait_group(0)
-                        cute.arch.sync_warp()
-                        if cutlass.const_expr(not self.fold_scale):
-                            acc.store(acc.load() * out_scale)
-                        cute.autovec_copy(acc, tCsS)
-                        # generic-proxy stores -> async-proxy (bulk copy) reads; the warp's
-                        # rows are complete before any of its lanes issues
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        cute.arch.sync_warp()
-                    else:
-                        warpgroup.wait_group(0)
-                        self._scatter(acc, tCcC, odd, row, g_base, ch, out_scale, mDKV)
-                if cutlass.const_expr(self.bulk):
-                    # the last chunk's reductions (read back before the staging tile is
-                    # rewritten: the wait in the next block's first chunk, or the final wait)
-                    self._bulk_issue(st_issuer, row, g_base, self.n_ch - 1, st_row_ptr, mDKV)
+                    warpgroup.wait_group(0)
+                    self._scatter(acc, tCcC, odd, row, g_base, ch, out_scale, mDKV)
                 # this block's P / dS tiles and sRow slot are free again
                 cute.arch.mbarrier_arrive(mbar + DS_EMPTY)
-
-            if cutlass.const_expr(self.bulk):
-                # the staging tile must have been read before the CTA exits
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
             cute.arch.sync_threads()
             if cutlass.const_expr(not self.fold_scale):
@@ -722,17 +638,6 @@ class SparseMlaBwdWgmmaSm90:
             for i in cutlass.range_constexpr(self.chunks // self.io_tpr):
                 c = csub + self.io_tpr * i
                 cute.copy(st_atom, self._chunk(sO, crow, c), self._chunk(mDQ, q_row, c))
-
-    @cute.jit
-    def _bulk_issue(self, st_issuer: cutlass.Boolean, row: cutlass.Int32, g_base: cutlass.Int64,
-                    ch, st_row_ptr, mDKV: cute.Tensor):
-        """Lanes 0-15 of each warp: one 256-byte bulk fp32 reduction of their staged row into
-        dkv[row, 64 ch : 64 ch + 64] (never for an invalid entry, row < 0); then every lane
-        commits its (possibly empty) bulk group."""
-        if st_issuer and row >= 0:
-            bulk_reduce_add_f32(mDKV.iterator + (g_base + cutlass.Int64(ch * self.st_cols)),
-                                st_row_ptr, self.st_cols * 4)
-        cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def _dkv_mma(self, dkv_mma: cute.TiledMma, acc: cute.Tensor, tKrDS: cute.Tensor,
@@ -782,14 +687,8 @@ class SparseMlaBwdWgmmaSm90:
 
 # -------------------------------------------------------------------- AOT compile entry
 def compile_bwd_wgmma(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                      options: str | None = None, bulk_reduce: bool = False):
+                      options: str | None = None):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
-    return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, bulk_reduce),
+    return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))
-
-
-def compile_bwd_wgmma_bulk(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                           options: str | None = None):
-    """The bulk_reduce=True candidate (experimental tag "wg2")."""
-    return compile_bwd_wgmma(dtype, d_qk, d_v, deterministic, options, bulk_reduce=True)

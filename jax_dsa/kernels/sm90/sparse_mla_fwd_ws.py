@@ -1,4 +1,4 @@
-"""Sparse MLA forward for sm_90a: warp-specialized, no duplicated Q K^T. Experimental.
+"""Sparse MLA forward for sm_90a: warp-specialized, no duplicated Q K^T (JAX_DSA_FWD_IMPL=ws).
 
 Same math, grid and flattened arguments as sparse_mla_fwd.SparseMlaFwdSm90 / the wgmma variant
 (so the same FFI handler launches it); export tag "ws".

@@ -1,7 +1,10 @@
-"""Sparse MLA forward for sm_90a: warp-specialized, ping-pong consumers. Experimental ("ws2").
+"""Sparse MLA forward for sm_90a: warp-specialized, ping-pong consumers. The default for H > 32.
 
-Same math, grid, arguments and contract as sparse_mla_fwd_ws (export tag "ws2", selected with
-JAX_DSA_FWD_IMPL=ws2). Cycle figures below are per SM, at the H100/H200 dense bf16 rate of
+Same math, grid, arguments and contract as sparse_mla_fwd_ws (export tag "ws2"; JAX_DSA_FWD_IMPL=ws
+selects the predecessor). Measured on the H200 (T = S = 4096, D = 512, K = 640): H = 64 0.83 ms
+against ws's 0.91, H = 128 1.70 ms (ws 1.71), K = 1152 2.81 ms (ws 2.80): short of the 2.6-3.2
+kclk/block predicted below. ncu at H = 64: tensor pipe 44 % busy, L2 33 %, L1 49 %, issue slots
+37 %, nothing saturated; the gather is the suspect (see docs/performance.md). Cycle figures below are per SM, at the H100/H200 dense bf16 rate of
 2048 FMA/clk and 128 B/clk of shared memory; "block" = 64 gathered KV rows x 64 heads.
 
 Why not the FA3 intra-warpgroup pipeline on top of ws
