@@ -108,6 +108,13 @@ def test_backward_never_writes_outside_valid_rows(deterministic, monkeypatch):
   assert np.all(np.asarray(dq, np.float32)[[0, 2]] == 0)
 
 
+def _bf16_step(x):
+  """Distance from |x| to the next larger bf16 number (8 significant bits); 0 where x = 0."""
+  x = np.abs(np.asarray(x, np.float64))
+  e = np.floor(np.log2(np.where(x > 0, x, 1.0)))
+  return np.where(x > 0, 2.0 ** (e - 7), 0.0)
+
+
 # (B, T, H, Dqk, S, K, sink, topk_length, workspace budget in tokens or None for the default)
 DET_CASES = [
     (2, 5, 3, 576, 40, 70, True, "partial", 3),  # K > S: duplicates; chunks cross batches
@@ -138,8 +145,13 @@ def test_deterministic_backward_matches_oracle(case, monkeypatch):
     g = np.asarray(g, np.float32)
     assert np.all(np.isfinite(g)), name
     assert rel_err(g, w) < 2e-2, (name, "vs oracle", rel_err(g, w))
-    # Same products, only the fp32 summation order of dkv differs from the atomic kernel.
-    assert rel_err(g, np.asarray(a, np.float32)) < 2e-3, (name, "vs atomic")
+    # Same products; only the fp32 summation order of dkv differs from the atomic kernel, so
+    # after rounding to bf16 they differ by at most one bf16 step (plus fp32 reordering noise
+    # where a sum cancels). A relative-to-max bound is not sound here: one bf16 step of an
+    # element near the max is up to 2**-7 of it.
+    a = np.asarray(a, np.float32)
+    tol = _bf16_step(np.maximum(np.abs(g), np.abs(a))) + 1e-5 * np.max(np.abs(a))
+    assert np.all(np.abs(g - a) <= tol), (name, "vs atomic", float(np.max(np.abs(g - a) - tol)))
   np.testing.assert_array_equal(np.asarray(got[0], np.float32)[0, 0], 0.0)  # dead row
 
 
