@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU validation, from the source tree with jax_dsa/_lib built:
 #
-#   bash tools/gpu_validate.sh [tests] [memcheck] [bench] [smoke]   (default: tests memcheck)
+#   bash tools/gpu_validate.sh [tests] [memcheck] [bench] [smoke] [profile]   (default: tests memcheck)
 #
 # Each step has its own time limit and writes its full log to $OUT (or /tmp/jax_dsa_gpu); the
 # summary lines are printed. JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL select kernel variants as usual,
@@ -37,6 +37,17 @@ for step in "${steps[@]}"; do
         > "$out/smoke.log" 2>&1
       rc=$?
       grep -E "cases passed|FAIL|TIME" "$out/smoke.log" ;;
+    profile)  # ncu, one launch per kernel and shape (tools/profile_case.py), headline metrics
+      rc=0
+      for c in "fwd 64 sparse_mla_fwd" "fwd 16 sparse_mla_fwd" "bwd 64 sparse_mla_bwd" "bwd 16 sparse_mla_bwd"; do
+        set -- $c
+        timeout 120 ncu --clock-control none --launch-skip 1 --launch-count 1 --kernel-name "regex:$3" \
+          --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+          --section Occupancy --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+          python3 tools/profile_case.py "$1" "$2" 512 > "$out/profile_$1_h$2.log" 2>&1 || rc=$?
+        echo "$1 H=$2: $(grep -E "^ +(Duration|L2 Cache Throughput|L1/TEX Cache Throughput|Compute \(SM\) Throughput|Issue Slots Busy)" \
+          "$out/profile_$1_h$2.log" | awk '{$1=$1};1' | tr '\n' ';')"
+      done ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
   echo "[$step] rc=$rc in $(( $(date +%s) - start )) s"
