@@ -42,9 +42,12 @@ BWD_VARIANTS = {
 }
 # Candidates not yet validated on a GPU: built only with --experimental, selected with
 # JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>. A module that does not exist yet is skipped.
-# (None at the moment: ws2 became the default forward; the wg2 backward was measured slower
-# and dropped, see docs/performance.md.)
-EXPERIMENTAL_FWD: dict = {}
+# (ws2 became the default forward; the wg2 backward was measured slower and dropped, see
+# docs/performance.md.) ws2c: ws2 with the two head blocks of a token in one 2-CTA cluster,
+# each KV row gathered once (H > 64; the FFI runs ws2 for H <= 64 when ws2c is forced).
+EXPERIMENTAL_FWD = {
+    "ws2c": ("sparse_mla_fwd_ws2", "compile_fwd_ws2_pair"),
+}
 EXPERIMENTAL_BWD: dict = {}
 # (dtype name, Dqk); one export per variant and spec.
 FWD_SPECS = [("bf16", 512), ("bf16", 576), ("f16", 512), ("f16", 576)]

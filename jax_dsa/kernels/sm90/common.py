@@ -46,6 +46,34 @@ def st_global_v4_f32(ptr, a, b, c, d, *, loc=None, ip=None):
     _v4_f32("st.global.v4.f32", ptr, (a, b, c, d), loc, ip)
 
 
+@dsl_user_op
+def copy_smem_to_peer(sptr, mbar, peer, nbytes: int, *, loc=None, ip=None):
+    """cp.async.bulk.shared::cluster.shared::cta: copy nbytes of this CTA's shared memory at sptr
+    to the same offset in the shared memory of cluster CTA `peer`, completing nbytes of
+    transactions on the peer's mbarrier at the offset of `mbar` (both located with mapa). sptr
+    16-byte aligned, nbytes a multiple of 16 (PTX ISA, sm_90). Source reads are complete when
+    the peer's mbarrier has seen the bytes."""
+    s = sptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
+    m = mbar.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
+    r = cutlass.Int32(peer).ir_value(loc=loc, ip=ip)
+    n = cutlass.Int32(nbytes).ir_value(loc=loc, ip=ip)
+    llvm.inline_asm(
+        None,
+        [s, m, r, n],
+        "{\n.reg .b32 dst, bar;\n"
+        "mapa.shared::cluster.u32 dst, $0, $2;\n"
+        "mapa.shared::cluster.u32 bar, $1, $2;\n"
+        "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes "
+        "[dst], [$0], $3, [bar];\n}",
+        "r,r,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
 def _rows(dtype, n_rows, n_cols, align=16):
     return make_fake_compact_tensor(dtype, (n_rows, n_cols), stride_order=(1, 0),
                                     assumed_align=align)
