@@ -45,8 +45,10 @@ BWD_VARIANTS = {
 # (ws2 became the default forward; the wg2 backward was measured slower and dropped, see
 # docs/performance.md.) ws2c: ws2 with the two head blocks of a token in one 2-CTA cluster,
 # each KV row gathered once (H > 64; the FFI runs ws2 for H <= 64 when ws2c is forced).
+# ws2i: ws2 with the producer loading indices a whole pair of blocks ahead.
 EXPERIMENTAL_FWD = {
     "ws2c": ("sparse_mla_fwd_ws2", "compile_fwd_ws2_pair"),
+    "ws2i": ("sparse_mla_fwd_ws2", "compile_fwd_ws2_idx_ahead"),
 }
 EXPERIMENTAL_BWD: dict = {}
 # (dtype name, Dqk); one export per variant and spec.
