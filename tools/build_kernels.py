@@ -26,8 +26,8 @@ LIB_NAME = "libjax_dsa_sm90.so"
 
 # Forward variants: export-prefix tag -> (kernel module, compile function). By default the FFI
 # handler runs "smallh" for H <= 32 and "ws2" above; JAX_DSA_FWD_IMPL=<tag> forces another one.
-# (sparse_mla_fwd.py's mma.sync kernel and sparse_mla_fwd_wgmma.py stay in the source as base
-# classes of ws / ws2, no longer exported.)
+# (sparse_mla_fwd.py holds the contract and the base class of ws / ws2; the earlier mma.sync
+# and plain wgmma forward kernels are in git history.)
 FWD_VARIANTS = {
     "ws2": ("sparse_mla_fwd_ws2", "compile_fwd_ws2"),
     "ws": ("sparse_mla_fwd_ws", "compile_fwd_ws"),

@@ -1,7 +1,7 @@
 """Plain SIMT sparse MLA forward: a slow, simple cross-check of the tensor-core kernel.
 
-Same math, arguments and flattened layouts as sparse_mla_fwd.SparseMlaFwdSm90 (the FFI handler
-selects it with JAX_DSA_FWD_IMPL=simt). One CTA per (token, head, batch) = grid (T, H, B), 4
+Same math, arguments and flattened layouts as the other variants (contract in
+sparse_mla_fwd.py; the FFI handler selects it with JAX_DSA_FWD_IMPL=simt). One CTA per (token, head, batch) = grid (T, H, B), 4
 warps; warp w walks the index slots j = w, w + 4, ... and keeps its own online softmax state;
 lane l owns the columns l + 32 i. The 4 partial states are merged through shared memory.
 """

@@ -1,6 +1,6 @@
 """Sparse MLA forward for sm_90a, few heads (H <= 32, a tensor-parallel shard): heads on wgmma's N.
 
-Same math, flattened arguments and compiled-callable signature as sparse_mla_fwd_wgmma (so the FFI
+Same math, flattened arguments and compiled-callable signature as the ws kernels (so the FFI
 handler launches it unchanged); see sparse_mla_fwd.py for the contract. At H <= 32 the 64-head
 kernels compute 2-8x padded MMA work and the problem is bound by the row gather, so this kernel
 transposes both products to put the (padded) heads on the N side:

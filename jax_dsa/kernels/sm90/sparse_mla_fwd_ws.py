@@ -1,7 +1,7 @@
 """Sparse MLA forward for sm_90a: warp-specialized, no duplicated Q K^T (JAX_DSA_FWD_IMPL=ws).
 
-Same math, grid and flattened arguments as sparse_mla_fwd.SparseMlaFwdSm90 / the wgmma variant
-(so the same FFI handler launches it); export tag "ws".
+Contract, grid and flattened arguments in sparse_mla_fwd.py (the FFI handler launches every
+variant alike); export tag "ws".
 
   * 384 threads = 3 warpgroups, one CTA per SM (launched with min_blocks_per_mp=1):
       WG0  producer (setmaxnreg 56): gathers the 64-row KV blocks with 16-byte cp.async into a
@@ -38,15 +38,16 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 import cuda.bindings.driver as cuda
 
 from jax_dsa.kernels.sm90.common import LN_2, LOG2_E, fwd_fake_args
-from jax_dsa.kernels.sm90.sparse_mla_fwd_wgmma import SparseMlaFwdWgmmaSm90
+from jax_dsa.kernels.sm90.sparse_mla_fwd import SparseMlaFwdTileSm90
 
 CONSUMER_BAR = 1  # named barrier id for the 256 consumer threads (0 is __syncthreads)
 
 
-class SparseMlaFwdWsSm90(SparseMlaFwdWgmmaSm90):
+class SparseMlaFwdWsSm90(SparseMlaFwdTileSm90):
     def __init__(self, dtype, d_qk: int, d_v: int = 512):
-        super().__init__(dtype, d_qk, d_v, split_qk=True)  # bn_g = 32 keys per group
+        super().__init__(dtype, d_qk, d_v)
         assert d_v == 512 and d_qk in (512, 576)
+        self.bn_g = self.bn // 2  # keys scored per consumer group (32)
         self.threads = 384
         self.n_cons = 256  # consumer threads
         self.tpr = self.n_cons // self.bm  # consumer threads per row for the Q / O copies (4)
