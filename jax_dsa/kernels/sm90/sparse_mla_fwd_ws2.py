@@ -253,39 +253,57 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                     if m > 0:
                         cute.arch.mbarrier_wait(mbar + 4 + slot, ph)
                     sKs = self._stage(kv_sw, sKV_layout, stage)
-                    c_lo = is_r * hc
-                    n_c = n_l + is_r * (n_r - n_l)
-                    for p in cutlass.range_constexpr(npass):
-                        r = prow + self.p_rows * p
-                        row = cur1[p]
-                        if stage == 0:
-                            row = cur0[p]
-                        ok = row >= 0 and row < S
-                        if q < 2 and psub == 0:  # flags with the first half of each stage
-                            sValid[stage * self.bn + r] = (
-                                cutlass.Int32(1) if ok else cutlass.Int32(0)
-                            )
-                        if ok:
-                            g_row = kv_batch + cutlass.Int64(row)
-                            for i in cutlass.range_constexpr(n_max):
-                                if cutlass.const_expr(i < n_min):
-                                    c = c_lo + psub + self.p_tpr * i
-                                    cute.copy(cp_atom, self._chunk(mKV, g_row, c),
-                                              self._chunk(sKs, r, c))
-                                elif i < n_c:
-                                    c = c_lo + psub + self.p_tpr * i
-                                    cute.copy(cp_atom, self._chunk(mKV, g_row, c),
-                                              self._chunk(sKs, r, c))
-                        else:
-                            for i in cutlass.range_constexpr(n_max):
-                                if cutlass.const_expr(i < n_min):
-                                    self._chunk(sKs, r, c_lo + psub + self.p_tpr * i).fill(0)
-                                elif i < n_c:
-                                    self._chunk(sKs, r, c_lo + psub + self.p_tpr * i).fill(0)
+                    self._fill_rows(mKV, sKs, sValid, cp_atom, cur0, cur1, None, None, stage, q,
+                                    prow, self.p_rows, 0, npass, S, kv_batch, psub, is_r * hc,
+                                    n_l + is_r * (n_r - n_l), n_min, n_max)
                     cute.arch.cp_async_mbarrier_arrive_noinc(mbar + slot)
                     cute.arch.mbarrier_arrive(mbar + slot)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def _fill_rows(self, mKV: cute.Tensor, sKs: cute.Tensor, sValid: cute.Tensor, cp_atom,
+                   idx0: cute.Tensor, idx1: cute.Tensor, peer0_idx, peer1_idx, stage, q,
+                   r0, r_step: cutlass.Constexpr, peer_r0, npass: cutlass.Constexpr,
+                   S: cutlass.Int32, kv_batch: cutlass.Int64, psub: cutlass.Int32, c_lo, n_c,
+                   n_min: cutlass.Constexpr, n_max: cutlass.Constexpr):
+        """One fill of this thread's rows r0 + r_step p of a stage (indices idx<stage>[p]):
+        16-byte cp.async of chunks c_lo + psub + 8 i (i < n_c) of valid rows, zeros for invalid
+        ones; with the first fill of a stage (q < 2) lane psub 0 also writes the rows' validity
+        flags (and, in pair_heads mode, those of the peer's rows peer_r0 + r_step p)."""
+        for p in cutlass.range_constexpr(npass):
+            r = r0 + r_step * p
+            row = idx1[p]
+            if stage == 0:
+                row = idx0[p]
+            ok = row >= 0 and row < S
+            if q < 2 and psub == 0:  # flags with the first half of each stage
+                sValid[stage * self.bn + r] = (
+                    cutlass.Int32(1) if ok else cutlass.Int32(0)
+                )
+                if cutlass.const_expr(peer0_idx is not None):
+                    peer_row = peer1_idx[p]
+                    if stage == 0:
+                        peer_row = peer0_idx[p]
+                    peer_ok = peer_row >= 0 and peer_row < S
+                    sValid[stage * self.bn + peer_r0 + r_step * p] = (
+                        cutlass.Int32(1) if peer_ok else cutlass.Int32(0)
+                    )
+            if ok:
+                g_row = kv_batch + cutlass.Int64(row)
+                for i in cutlass.range_constexpr(n_max):
+                    if cutlass.const_expr(i < n_min):
+                        c = c_lo + psub + self.p_tpr * i
+                        cute.copy(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKs, r, c))
+                    elif i < n_c:
+                        c = c_lo + psub + self.p_tpr * i
+                        cute.copy(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKs, r, c))
+            else:
+                for i in cutlass.range_constexpr(n_max):
+                    if cutlass.const_expr(i < n_min):
+                        self._chunk(sKs, r, c_lo + psub + self.p_tpr * i).fill(0)
+                    elif i < n_c:
+                        self._chunk(sKs, r, c_lo + psub + self.p_tpr * i).fill(0)
 
     # ------------------------------------------------------------------ pair_heads mode
     # H in 65..128: the two head blocks of a token run as one 2-CTA cluster and gather each KV
@@ -359,41 +377,9 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                     if m > 0:
                         cute.arch.mbarrier_wait(mbar + 4 + slot, ph)
                     sKs = self._stage(kv_sw, sKV_layout, stage)
-                    c_lo = is_r * hc
-                    n_c = n_l + is_r * (n_r - n_l)
-                    for p in cutlass.range_constexpr(4):
-                        r = own0 + 8 * p
-                        row = own_1[p]
-                        prow_idx = peer_1[p]
-                        if stage == 0:
-                            row = own_0[p]
-                            prow_idx = peer_0[p]
-                        ok = row >= 0 and row < S
-                        if q < 2 and psub == 0:  # flags with the first half of each stage
-                            peer_ok = prow_idx >= 0 and prow_idx < S
-                            sValid[stage * self.bn + r] = (
-                                cutlass.Int32(1) if ok else cutlass.Int32(0)
-                            )
-                            sValid[stage * self.bn + peer0 + 8 * p] = (
-                                cutlass.Int32(1) if peer_ok else cutlass.Int32(0)
-                            )
-                        if ok:
-                            g_row = kv_batch + cutlass.Int64(row)
-                            for i in cutlass.range_constexpr(n_max):
-                                if cutlass.const_expr(i < n_min):
-                                    c = c_lo + psub + self.p_tpr * i
-                                    cute.copy(cp_atom, self._chunk(mKV, g_row, c),
-                                              self._chunk(sKs, r, c))
-                                elif i < n_c:
-                                    c = c_lo + psub + self.p_tpr * i
-                                    cute.copy(cp_atom, self._chunk(mKV, g_row, c),
-                                              self._chunk(sKs, r, c))
-                        else:
-                            for i in cutlass.range_constexpr(n_max):
-                                if cutlass.const_expr(i < n_min):
-                                    self._chunk(sKs, r, c_lo + psub + self.p_tpr * i).fill(0)
-                                elif i < n_c:
-                                    self._chunk(sKs, r, c_lo + psub + self.p_tpr * i).fill(0)
+                    self._fill_rows(mKV, sKs, sValid, cp_atom, own_0, own_1, peer_0, peer_1,
+                                    stage, q, own0, 8, peer0, 4, S, kv_batch, psub, is_r * hc,
+                                    n_l + is_r * (n_r - n_l), n_min, n_max)
                     # zero fills (generic proxy) are read by the bulk copy (async proxy)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.cp_async_mbarrier_arrive_noinc(mbar + GATHERED + slot)
