@@ -4,7 +4,12 @@ Same math, grid, arguments and contract as sparse_mla_fwd_ws (export tag "ws2"; 
 selects the predecessor). Measured on the H200 (T = S = 4096, D = 512, K = 640): H = 64 0.83 ms
 against ws's 0.91, H = 128 1.70 ms (ws 1.71), K = 1152 2.81 ms (ws 2.80): short of the 2.6-3.2
 kclk/block predicted below. ncu at H = 64: tensor pipe 44 % busy, L2 33 %, L1 49 %, issue slots
-37 %, nothing saturated; the gather is the suspect (see docs/performance.md). Cycle figures below are per SM, at the H100/H200 dense bf16 rate of
+37 %, nothing saturated; the gather is the suspect (see docs/performance.md).
+
+Two experimental flags (tools/build_kernels.py --experimental): pair_heads=True ("ws2c", H > 64:
+the two head blocks of a token share each gathered row through a 2-CTA cluster, see
+_produce_pair; measured correct but 17 % slower at H = 128) and idx_ahead=True ("ws2i": the
+producer loads the next pair's indices a whole pair ahead; not yet run on a GPU). Cycle figures below are per SM, at the H100/H200 dense bf16 rate of
 2048 FMA/clk and 128 B/clk of shared memory; "block" = 64 gathered KV rows x 64 heads.
 
 Why not the FA3 intra-warpgroup pipeline on top of ws
