@@ -40,12 +40,11 @@ BWD_VARIANTS = {
     "wg": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma"),
     "": ("sparse_mla_bwd", "compile_bwd"),
 }
-# Candidates not yet validated on a GPU: built only with --experimental, selected with
-# JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>. A module that does not exist yet is skipped.
-# (ws2 became the default forward; the wg2 backward was measured slower and dropped, see
-# docs/performance.md.) ws2c: ws2 with the two head blocks of a token in one 2-CTA cluster,
-# each KV row gathered once (H > 64; the FFI runs ws2 for H <= 64 when ws2c is forced).
-# ws2i: ws2 with the producer loading indices a whole pair of blocks ahead.
+# Experimental variants (not defaults): built only with --experimental, selected with
+# JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>; their GPU status is in docs/performance.md.
+# ws2c: ws2 with the two head blocks of a token in one 2-CTA cluster, each KV row gathered once
+# (H > 64; the FFI runs ws2 for H <= 64 when ws2c is forced): correct, 17 % slower at H = 128.
+# ws2i: ws2 with the producer loading indices a whole pair of blocks ahead: not yet on a GPU.
 EXPERIMENTAL_FWD = {
     "ws2c": ("sparse_mla_fwd_ws2", "compile_fwd_ws2_pair"),
     "ws2i": ("sparse_mla_fwd_ws2", "compile_fwd_ws2_idx_ahead"),
