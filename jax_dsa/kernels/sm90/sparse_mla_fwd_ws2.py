@@ -206,6 +206,14 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
             dst[p] = v
 
     @cute.jit
+    def _fill_half(self, q):
+        """Fill q (0..3) of a pair, in the order 0L, 1R, 0R, 1L: (stage, 1 for the R half)."""
+        is_r = cutlass.Int32(0)
+        if q == 1 or q == 2:
+            is_r = cutlass.Int32(1)
+        return q % 2, is_r
+
+    @cute.jit
     def _produce(self, mKV: cute.Tensor, mIdx: cute.Tensor, sValid: cute.Tensor, kv_sw,
                  sKV_layout: cute.Layout, mbar, n_blocks: cutlass.Int32, k_eff: cutlass.Int32,
                  S: cutlass.Int32, idx_base: cutlass.Int64, kv_batch: cutlass.Int64,
@@ -249,10 +257,7 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                 self._load_idx(mIdx, cur0, 2 * m, k_eff, idx_base, prow)
                 self._load_idx(mIdx, cur1, 2 * m + 1, k_eff, idx_base, prow)
             for q in range(4):
-                stage = q % 2  # order 0L, 1R, 0R, 1L
-                is_r = cutlass.Int32(0)
-                if q == 1 or q == 2:
-                    is_r = cutlass.Int32(1)
+                stage, is_r = self._fill_half(q)
                 if stage == 0 or has1:
                     slot = 2 * stage + is_r
                     if m > 0:
@@ -373,10 +378,7 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
             self._load_idx_rows(mIdx, peer_0, 2 * m, k_eff, idx_base, peer0)
             self._load_idx_rows(mIdx, peer_1, 2 * m + 1, k_eff, idx_base, peer0)
             for q in range(4):
-                stage = q % 2
-                is_r = cutlass.Int32(0)
-                if q == 1 or q == 2:
-                    is_r = cutlass.Int32(1)
+                stage, is_r = self._fill_half(q)
                 if stage == 0 or has1:
                     slot = 2 * stage + is_r
                     if m > 0:
@@ -406,10 +408,7 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
         for m in range(n_pairs):
             has1 = 2 * m + 1 < n_blocks
             for q in range(4):
-                stage = q % 2
-                is_r = cutlass.Int32(0)
-                if q == 1 or q == 2:
-                    is_r = cutlass.Int32(1)
+                stage, is_r = self._fill_half(q)
                 if stage == 0 or has1:
                     slot = 2 * stage + is_r
                     n_cb = n_cb_l + is_r * (n_cb_r - n_cb_l)
