@@ -91,6 +91,34 @@ from jax_dsa.kernels.sm90.common import (LOG2_E, bwd_fake_args, compile_options,
 
 
 
+def _flat(rho, g2, g1, g0, c):
+    """Index of accumulator value v[rho][g2][g1][g0][c] of a 64 x 64 chunk (see _scatter)."""
+    return (((rho * 2 + g2) * 2 + g1) * 2 + g0) * 2 + c
+
+
+def _lines_per_row_transpose(v: list, lane):
+    """The three butterfly exchanges of SparseMlaBwdWgmmaSm90._scatter (plain Python loops,
+    traced inline): swap lane bit q0 (xor 4) with data index g1, lane bit s1 (xor 2) with g0,
+    then lane bit s0 (xor 1) with that same g0 slot."""
+    for mask, slot in ((4, 1), (2, 0), (1, 0)):
+        upper = (lane & mask) != 0
+        for rho in range(2):
+            for g2 in range(2):
+                for other in range(2):
+                    for c in range(2):
+                        if slot == 1:
+                            i0, i1 = _flat(rho, g2, 0, other, c), _flat(rho, g2, 1, other, c)
+                        else:
+                            i0, i1 = _flat(rho, g2, other, 0, c), _flat(rho, g2, other, 1, c)
+                        x0, x1 = v[i0], v[i1]
+                        # the upper lane keeps x1 and sends x0; the lower keeps x0, sends x1
+                        send = cutlass.Float32(cutlass.select_(upper, x0, x1))
+                        recv = cute.arch.shuffle_sync_bfly(send, offset=mask)
+                        v[i0] = cutlass.Float32(cutlass.select_(upper, recv, x0))
+                        v[i1] = cutlass.Float32(cutlass.select_(upper, x1, recv))
+    return v
+
+
 # mbarrier slots
 KV_FULL = 0
 DS_FULL = 1
@@ -535,10 +563,9 @@ class SparseMlaBwdWgmmaSm90:
             tKrDS = thr_kv.make_fragment_A(thr_kv.partition_A(sDSt))
             tKrP = thr_kv.make_fragment_A(thr_kv.partition_A(sPt))
             acc_kv_shape = thr_kv.partition_shape_C((bn, 64))
-            tCcC = self._acc_mn_view(thr_kv.partition_C(cute.make_identity_tensor((bn, 64))))
-            # after the butterfly, lane 2i keeps row r, lane 2i + 1 row r + 8 (see below)
-            odd = (gtid % 2) == 1
-            kr_mine = cutlass.Int32(cutlass.select_(odd, tCcC[1, 0][0], tCcC[0, 0][0]))
+            # after _scatter's lane transpose, lane l of warp w adds to block rows
+            # 16 w + 2 (l // 8) + {0, 1} + {0, 8} (see _scatter)
+            kr_base = (gtid // 32) * 16 + 2 * ((gtid % 32) // 8)
             out_scale = cutlass.Float32(1.0)
             if cutlass.const_expr(not self.fold_scale):
                 out_scale = scale
@@ -574,14 +601,20 @@ class SparseMlaBwdWgmmaSm90:
                     cute.arch.mbarrier_arrive(mbar + KV_FULL)
 
                 # dKV for this block, 64 columns at a time
-                row = sRow[slot * bn + kr_mine]
-                j_row = cutlass.Int64(blk * bn + kr_mine)
-                g_base = cutlass.Int64(0)
-                if cutlass.const_expr(self.deterministic):
-                    g_base = ((tok_row0 + j_row) * cutlass.Int64(n_hb)
-                              + cutlass.Int64(hb)) * cutlass.Int64(d_qk)
-                else:
-                    g_base = (kv_batch + cutlass.Int64(row)) * cutlass.Int64(d_qk)
+                # this thread's 4 rows (r = kr_base + q0 + 8 rho, in order (rho, q0)): the
+                # gathered row (-1: invalid entry, nothing is added) and its dkv offset
+                rows = []
+                g_bases = []
+                for i in cutlass.range_constexpr(4):
+                    kr = kr_base + (i % 2) + 8 * (i // 2)
+                    row = sRow[slot * bn + kr]
+                    if cutlass.const_expr(self.deterministic):
+                        g_bases.append(((tok_row0 + cutlass.Int64(blk * bn + kr))
+                                        * cutlass.Int64(n_hb) + cutlass.Int64(hb))
+                                       * cutlass.Int64(d_qk))
+                    else:
+                        g_bases.append((kv_batch + cutlass.Int64(row)) * cutlass.Int64(d_qk))
+                    rows.append(row)
                 for ch in cutlass.range(self.n_ch, unroll=1):
                     sQc = cute.make_tensor(q_sw + cute.assume(ch * (bm * 64), divby=512),
                                            sTt_layout)
@@ -602,7 +635,7 @@ class SparseMlaBwdWgmmaSm90:
                     else:
                         self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 3)
                     warpgroup.wait_group(0)
-                    self._scatter(acc, tCcC, odd, row, g_base, ch, out_scale, mDKV)
+                    self._scatter(acc, gtid % 32, rows, g_bases, ch, out_scale, mDKV)
                 # this block's P / dS tiles and sRow slot are free again
                 cute.arch.mbarrier_arrive(mbar + DS_EMPTY)
 
@@ -654,35 +687,42 @@ class SparseMlaBwdWgmmaSm90:
         warpgroup.commit_group()
 
     @cute.jit
-    def _scatter(self, acc: cute.Tensor, tCcC: cute.Tensor, odd: cutlass.Boolean,
-                 row: cutlass.Int32, g_base: cutlass.Int64, ch: cutlass.Int32,
-                 out_scale: cutlass.Float32, mDKV: cute.Tensor):
-        """Add (or store) this thread's share of a 64 x 64 dKV chunk. The accumulator of warp w
-        holds rows 16 w + l // 4 and + 8, columns 8 n + 2 (l % 4) + {0, 1}; one butterfly
-        shuffle (xor 1) per value pair gives lane 2i row r, columns 8 n + 4 (i % 2) .. + 3, and
-        lane 2i + 1 row r + 8, the same columns: one 16-byte RED / store per n8 tile."""
+    def _scatter(self, acc: cute.Tensor, lane: cutlass.Int32, rows: list, g_bases: list,
+                 ch: cutlass.Int32, out_scale: cutlass.Float32, mDKV: cute.Tensor):
+        """Add (or store) this thread's share of a 64 x 64 dKV chunk so that every 16-byte
+        RED / store instruction of a warp covers 4 rows x 128 contiguous bytes (whole L2 lines).
+
+        Why: L2 processes a warp's reduction per 128-byte line touched. On the H200 a scatter of
+        576-float rows at random positions takes 2.63 ms per 6 GB when each instruction touches
+        16 rows x 32 B (the plain accumulator layout after one pairing shuffle), 1.93 ms at
+        8 x 64 B and 1.60 ms at 4 x 128 B (scratch microbenchmark, docs/performance.md).
+
+        The accumulator of warp w holds, in lane l = 4 q + s (q = q2 q1 q0, s = s1 s0),
+        v[rho][g2][g1][g0][c] = chunk row 16 w + q + 8 rho, column 8 (4 g2 + 2 g1 + g0) + 2 s + c.
+        Three butterfly exchanges each swap one lane bit with one data bit (q0 <-> g1 over
+        xor 4, s1 <-> g0 over xor 2, then s0 <-> that same slot over xor 1), after which lane
+        l = (q2 q1, g1 g0 s1) holds for each (rho, g2, q0) the 4 consecutive columns
+        32 g2 + 4 (l % 8) + [0, 4) of row 16 w + 2 (l // 8) + q0 + 8 rho: the 8 lanes with the
+        same l // 8 cover 32 columns (128 bytes) of one row."""
         acc_mn = self._acc_mn_view(acc)
         assert cute.size(acc_mn, mode=[0]) == 2 and cute.size(acc_mn, mode=[1]) == 16
-        for n in cutlass.range_constexpr(8):
-            a00 = acc_mn[0, 2 * n] * out_scale
-            a01 = acc_mn[0, 2 * n + 1] * out_scale
-            a10 = acc_mn[1, 2 * n] * out_scale
-            a11 = acc_mn[1, 2 * n + 1] * out_scale
-            s0 = cutlass.Float32(cutlass.select_(odd, a00, a10))
-            s1 = cutlass.Float32(cutlass.select_(odd, a01, a11))
-            r0 = cute.arch.shuffle_sync_bfly(s0, offset=1)
-            r1 = cute.arch.shuffle_sync_bfly(s1, offset=1)
-            v0 = cutlass.Float32(cutlass.select_(odd, r0, a00))
-            v1 = cutlass.Float32(cutlass.select_(odd, r1, a01))
-            v2 = cutlass.Float32(cutlass.select_(odd, a10, r0))
-            v3 = cutlass.Float32(cutlass.select_(odd, a11, r1))
-            col = tCcC[0, 2 * n][1] - cutlass.select_(odd, cutlass.Int32(2), cutlass.Int32(0))
-            off = g_base + cutlass.Int64(ch * 64 + col)
-            if row >= 0:
-                if cutlass.const_expr(self.deterministic):
-                    st_global_v4_f32(mDKV.iterator + off, v0, v1, v2, v3)
-                else:
-                    red_add_v4_f32(mDKV.iterator + off, v0, v1, v2, v3)
+        v = _lines_per_row_transpose(
+            [acc_mn[(i >> 4) & 1, i & 15] * out_scale for i in range(32)], lane)
+        col0 = ch * 64 + 4 * (lane % 8)
+        for rho in cutlass.range_constexpr(2):
+            for q0 in cutlass.range_constexpr(2):
+                for g2 in cutlass.range_constexpr(2):
+                    # slots after the transpose: g1 -> q0, g0 -> s0
+                    v0 = v[_flat(rho, g2, q0, 0, 0)]
+                    v1 = v[_flat(rho, g2, q0, 0, 1)]
+                    v2 = v[_flat(rho, g2, q0, 1, 0)]
+                    v3 = v[_flat(rho, g2, q0, 1, 1)]
+                    off = g_bases[2 * rho + q0] + cutlass.Int64(col0 + 32 * g2)
+                    if rows[2 * rho + q0] >= 0:
+                        if cutlass.const_expr(self.deterministic):
+                            st_global_v4_f32(mDKV.iterator + off, v0, v1, v2, v3)
+                        else:
+                            red_add_v4_f32(mDKV.iterator + off, v0, v1, v2, v3)
 
 
 # -------------------------------------------------------------------- AOT compile entry
