@@ -25,8 +25,9 @@ min_blocks_per_mp=1, so each thread may use up to 255 registers):
       dKV_n[:, 64ch:64ch+64] = dS^T Q_ch (+ P^T dO_ch for ch < 8), wgmma 64x64x16 with both
           operands MN-major views of the same smem tiles (M = KV rows, K = heads), only
           ceil(live_heads / 16) k-steps issued: padded heads cost no MMA here;
-          then each value pair is re-paired inside the quad (one butterfly shuffle) and added
-          with red.global.add.v4.f32 (or, deterministic, stored with st.global.v4.f32)
+          then the values are transposed inside the warp (three butterfly exchanges, _scatter)
+          so that each red.global.add.v4.f32 (deterministic: st.global.v4.f32) of a warp covers
+          4 rows x 128 contiguous bytes
       arrives ds_empty(n) (P/dS tiles and the row-index slot may be reused)
 
   Each KV column range is refilled by the only group that still reads it: columns [0, 256) are
@@ -60,7 +61,7 @@ Per-block cost estimate (64 live heads, Dqk 512 as benchmarked; tensor core peak
   smem operand traffic: SS wgmma 64x64x16 reads 4 KB per 32 clk (at the 128 B/clk limit),
   64x256x16 10 KB per 128 clk; no ldmatrix traffic (v2: ~1.8 MB per block).
 
-Build facts (tools/check_kernel_build.py bwd:wg, CuTe DSL 4.8.1, sm_90a): 246-248 registers, no
+Build facts (tools/check_kernel_build.py bwd:wg, CuTe DSL 4.8.1, sm_90a): 245-251 registers, no
 stack / local memory, 208.5 KB (Dqk 512) / 224.5 KB (576) dynamic smem + 1 KB static; SASS
 HGMMA 64x64x16 (S, dP, dKV, rope dQ) and 64x256x16 (dQ, one RS + one SS), REDG.E.ADD.F32x4
 only (deterministic: STG.128 only). Two choices keep it spill-free: the dKV column-chunk loop is
@@ -695,7 +696,7 @@ class SparseMlaBwdWgmmaSm90:
         Why: L2 processes a warp's reduction per 128-byte line touched. On the H200 a scatter of
         576-float rows at random positions takes 2.63 ms per 6 GB when each instruction touches
         16 rows x 32 B (the plain accumulator layout after one pairing shuffle), 1.93 ms at
-        8 x 64 B and 1.60 ms at 4 x 128 B (scratch microbenchmark, docs/performance.md).
+        8 x 64 B and 1.60 ms at 4 x 128 B (tools/red_scatter_bench.cu).
 
         The accumulator of warp w holds, in lane l = 4 q + s (q = q2 q1 q0, s = s1 s0),
         v[rho][g2][g1][g0][c] = chunk row 16 w + q + 8 rho, column 8 (4 g2 + 2 g1 + g0) + 2 s + c.
