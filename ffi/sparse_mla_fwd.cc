@@ -73,11 +73,13 @@ cudaError_t LoadAll() {
   return g_load_status;
 }
 
-// Kernel variant. By default H <= 32 (tensor-parallel shards) runs the small-H kernel (heads on
-// wgmma's N side) and larger H the warp-specialized ping-pong wgmma kernel (ws2).
-// JAX_DSA_FWD_IMPL (read once) forces one variant for every H: ws2, ws (its predecessor, both
-// consumers on every block), smallh (H <= 32 only), simt (plain cross-check), or a candidate
-// built with tools/build_kernels.py --experimental. Export: jax_dsa_fwd<tag>_<dtype>_d<Dqk>.
+// Kernel variant. By default H <= 32 (tensor-parallel shards) runs the small-H kernel with two
+// consumer warpgroups (smallh2: heads on wgmma's N side, alternate tokens per consumer) and
+// larger H the warp-specialized ping-pong wgmma kernel (ws2). JAX_DSA_FWD_IMPL (read once)
+// forces one variant: ws2, ws (its predecessor, both consumers on every block), smallh2 (ws2
+// above 32 heads), smallh (one consumer, H <= 32 only), simt (plain cross-check), or a
+// candidate built with tools/build_kernels.py --experimental.
+// Export: jax_dsa_fwd<tag>_<dtype>_d<Dqk>.
 constexpr int64_t kSmallHeads = 32;
 
 const std::string& ForcedImpl() {
@@ -90,9 +92,11 @@ const std::string& ForcedImpl() {
 
 std::string FwdTag(int64_t heads) {
   const std::string& forced = ForcedImpl();
-  if (forced.empty() || forced == "default") return heads <= kSmallHeads ? "smallh" : "ws2";
+  if (forced.empty() || forced == "default") return heads <= kSmallHeads ? "smallh2" : "ws2";
   // ws2c pairs the two head blocks of a token in one cluster: only H > 64 has two.
   if (forced == "ws2c" && heads <= 64) return "ws2";
+  // smallh2 (two consumer warpgroups) is a small-H kernel: larger H keep the default.
+  if (forced == "smallh2" && heads > kSmallHeads) return "ws2";
   return forced;
 }
 

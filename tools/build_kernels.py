@@ -25,13 +25,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIB_NAME = "libjax_dsa_sm90.so"
 
 # Forward variants: export-prefix tag -> (kernel module, compile function). By default the FFI
-# handler runs "smallh" for H <= 32 and "ws2" above; JAX_DSA_FWD_IMPL=<tag> forces another one.
+# handler runs "smallh2" (two consumers; "smallh" has one) for H <= 32 and "ws2" above;
+# JAX_DSA_FWD_IMPL=<tag> forces another one.
 # (sparse_mla_fwd.py holds the contract and the base class of ws / ws2; the earlier mma.sync
 # and plain wgmma forward kernels are in git history.)
 FWD_VARIANTS = {
     "ws2": ("sparse_mla_fwd_ws2", "compile_fwd_ws2"),
     "ws": ("sparse_mla_fwd_ws", "compile_fwd_ws"),
     "smallh": ("sparse_mla_fwd_smallh", "compile_fwd_smallh"),
+    "smallh2": ("sparse_mla_fwd_smallh", "compile_fwd_smallh2"),
     "simt": ("sparse_mla_fwd_simt", "compile_fwd_simt"),
 }
 # Backward variants, each exported in atomic and deterministic form: "wg" (wgmma, the default)
@@ -44,7 +46,7 @@ BWD_VARIANTS = {
 # JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>; their GPU status is in docs/performance.md.
 # ws2c: ws2 with the two head blocks of a token in one 2-CTA cluster, each KV row gathered once
 # (H > 64; the FFI runs ws2 for H <= 64 when ws2c is forced): correct, 17 % slower at H = 128.
-# ws2i: ws2 with the producer loading indices a whole pair of blocks ahead: not yet on a GPU.
+# ws2i: ws2 with the producer loading indices a whole pair of blocks ahead: correct, no faster.
 EXPERIMENTAL_FWD = {
     "ws2c": ("sparse_mla_fwd_ws2", "compile_fwd_ws2_pair"),
     "ws2i": ("sparse_mla_fwd_ws2", "compile_fwd_ws2_idx_ahead"),

@@ -6,7 +6,7 @@ them: registers, spills, local memory and the SASS instructions that matter.
                                        [--out DIR] [--keep-sass] [--allow-spills]
 
 VARIANT is fwd:<tag> or bwd:<tag> with the tags of tools/build_kernels.py (fwd:ws2, fwd:ws,
-fwd:smallh, fwd:simt, bwd:wg, bwd:, and with --experimental any candidates), or reduce;
+fwd:smallh2, fwd:smallh, fwd:simt, bwd:wg, bwd:, and with --experimental any candidates), or reduce;
 default: every stable variant. Backward variants are checked in atomic and
 deterministic form.
 
@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 import build_kernels  # noqa: E402  (the variant tables)
 
 # The tensor-core instruction each variant must contain (None: not a tensor-core kernel).
-TENSOR_OP = {"fwd:ws": "HGMMA", "fwd:ws2": "HGMMA", "fwd:ws2c": "HGMMA", "fwd:ws2i": "HGMMA", "fwd:smallh": "HGMMA",
+TENSOR_OP = {"fwd:ws": "HGMMA", "fwd:ws2": "HGMMA", "fwd:ws2c": "HGMMA", "fwd:ws2i": "HGMMA", "fwd:smallh": "HGMMA", "fwd:smallh2": "HGMMA",
              "fwd:simt": None,
              "bwd:wg": "HGMMA", "bwd:": "HMMA", "reduce": None}
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """GPU sanity check and timing of the AOT-built sparse MLA forward (jax_dsa/_lib must be built).
 
-    python tools/gpu_smoke_fwd.py [--skip-timing] [--impl {ws2,ws,smallh,simt,<candidate>,all}]
+    python tools/gpu_smoke_fwd.py [--skip-timing] [--impl {ws2,ws,smallh2,smallh,simt,<candidate>,all}]
 
 --impl all runs every variant in its own process (the handler reads JAX_DSA_FWD_IMPL once).
 
@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 from jax_dsa import _native  # noqa: E402
 
 D_V = 512
-IMPLS = ["ws2", "ws", "smallh", "simt"]  # exported by default; candidates by tag
+IMPLS = ["ws2", "ws", "smallh2", "smallh", "simt"]  # exported by default; candidates by tag
 
 
 @jax.jit

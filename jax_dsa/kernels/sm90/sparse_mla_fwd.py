@@ -9,7 +9,8 @@ For every (b, t, h): s_j = scale * q[b,t,h,:] . kv[b, idx[b,t,j], :] over the va
 
 A row without any valid entry gets o = 0 and lse = -inf.
 
-Common to every forward variant (ws, ws2, smallh, simt; the FFI handler launches them alike):
+Common to every forward variant (ws, ws2, smallh2, smallh, simt; the FFI handler launches them
+alike):
   * Inputs are flattened on the host side: q (B*T*H, Dqk), kv (B*S, Dqk), idx (B*T*K,),
     topk_length (B*T,), sink (H,), o (B*T*H, 512), lse (B*T*H,). All row offsets are 64-bit.
   * Tokens are on grid x so T can reach 2^31 - 1. The 64-head-tile kernels run one CTA per

@@ -13,21 +13,31 @@ NP (8, 16, 24 or 32) is chosen at run time from H: one kernel per NP lives in th
 host function launches the smallest that holds H. Heads h >= H are zero rows of Q (scores 0,
 finite), never stored.
 
+Two exports: "smallh2" (the default for H <= 32; lanes=2 for NP <= 24) and "smallh" (lanes=1).
+With lanes=2 a CTA has two consumer warpgroups, each on alternate tokens of the CTA, fed by one
+producer from one slab ring (see _stream_pos for the order of the blocks). One consumer spends
+~4.5 kclk per 64-key block, mostly latency (S^T -> softmax -> P^T -> P V in turn, ~1 kclk of
+shared-memory traffic); the second consumer's tokens fill that time. Measured on the H200
+(T = S = 4096, K = 640, D = 512, smoke timing): H = 16 487 us (one consumer 702), H = 8 411 us
+(610); benchmark 537 / 448 us.
+
 Why this structure (v2; v1, in git history, had all 256 threads gather into 2 x 64-row stages and
 measured 0.93 ms at H = 16: ~1 block of gather in flight per SM, the index load on the issue path,
 5 CTA barriers per block). The problem is bound by the row gather (640 KB per token), so the kernel
 is organised to keep as many gathered bytes in flight per SM as shared memory allows:
 
-  * Warp specialization, 256 threads, one CTA per SM (shared memory):
-      WG1 = producer: only issues 16-byte cp.async gathers (8 threads per 128-byte row segment:
-            one instruction moves 4 whole 128 B lines), the indices of the next block are
-            prefetched one block ahead so no cp.async waits on an index load. Invalid slots
+  * Warp specialization, 128 x (lanes + 1) threads, one CTA per SM (shared memory):
+      last WG = producer: only issues 16-byte cp.async gathers (8 threads per 128-byte row
+            segment: one instruction moves 4 whole 128 B lines); it loads the indices of a
+            round (block r of each consumer's token) together, one load latency per round, and
+            runs up to a ring ahead of the consumers, which hides it. Invalid slots
             (idx < 0, idx >= S, j >= topk_length) use cp.async's src-size 0 form: 16 zero bytes,
             nothing read from global memory. Heads h >= H of Q are zero-filled the same way.
             Every shared-memory write of the producer is a cp.async, so completion is signalled
             with cp.async.mbarrier.arrive.noinc alone (one per producer thread and buffer).
-      WG0 = consumer: waits on mbarriers, runs both wgmma products, the online softmax, the
-            epilogue; it never gathers. No setmaxnreg is needed: 256 threads x 255 registers fit.
+      WG0 (and WG1) = consumer(s): wait on mbarriers, run both wgmma products, the online
+            softmax, the epilogue; they never gather. No setmaxnreg: 256 threads get 255
+            registers, 384 threads 168 (enough up to NP 24).
   * The KV ring is made of *slabs*: 64 keys x 64 columns (8 KB, one 128 B-swizzle atom column of
     a 64-row block). A 64-key block is nk = Dqk / 64 consecutive slabs of the ring (8 or 9, the
     ring index wraps). This works because every wgmma k-step of S^T reads one slab, and the P V
@@ -40,19 +50,23 @@ is organised to keep as many gathered bytes in flight per SM as shared memory al
     pairs as the P V m-tiles complete (one wgmma commit group per pair of m-tiles). The consumer
     waits for all slabs of a block before its first S^T wgmma: a wait loop between wgmmas makes
     ptxas serialize them (checked in the SASS: no WARPGROUP.DEPBAR inside the S^T chain).
-  * Phase bookkeeping: every slab (and every Q buffer) has a "full" and an "empty" mbarrier. Both
-    roles walk the same flat stream of blocks of this CTA's tokens (a token with an empty index
-    list still has one all-invalid block), so slab n of the stream is ring position n mod RING in
+  * Phase bookkeeping: every slab (and every Q buffer) has a "full" and an "empty" mbarrier. All
+    roles agree on one flat stream of blocks of this CTA's tokens (a token with an empty index
+    list still has one all-invalid block; with two consumers the blocks of a token pair are
+    interleaved, _stream_pos), so slab n of the stream is ring position n mod RING in
     its (n div RING)-th use: full waits parity (n div RING) & 1, the producer's empty wait for use
     u >= 1 parity (u - 1) & 1. Nothing depends on token boundaries; a barrier can never run two
     phases ahead of a waiter (each use needs the other side's previous hand-off). Arrival counts:
     full = 128 (each producer thread one cp.async.mbarrier.arrive.noinc, which counts against the
     expected count; every producer thread arrives once per buffer, whether or not it copied
     anything), empty = 4 (lane 0 of each consumer warp after its wgmma.wait_group).
-    Deadlock freedom: the producer fills in stream order and RING >= 2 nk, so the slabs the
-    consumer waits for never depend on slabs it still holds.
-  * Q: double-buffered by token parity, loaded by the producer before the token's first block;
-    the consumer releases a Q buffer after the token's last S^T.
+    Deadlock freedom: the producer fills in stream order and RING >= 2 nk (two consumers:
+    2 nk + 2), so the slabs a consumer waits for never depend on slabs a consumer still holds.
+    With two consumers, "empty" of a slab is released by the consumer that read it; each has
+    its own P^T tile, max/sum scratch and named barrier (1 + lane).
+  * Q: double-buffered by token parity (with two consumers: one buffer per consumer), loaded by
+    the producer before the token's first block; the consumer releases a Q buffer after the
+    token's last S^T.
   * The consumer validates its own two keys per block (the indices of the next block are loaded
     one block ahead) and masks invalid ones to -inf; the zero-filled rows make P V finite.
   * Softmax over keys (rows) per head (column): per-warp column max by 3 shuffles, the 4 warps'
@@ -108,33 +122,37 @@ def _cp_async_16(dst_smem: cutlass.Int32, src_gmem: cutlass.Int64, src_bytes: cu
 class _SmallHKernel:
     """One kernel specialization for NP padded heads."""
 
-    def __init__(self, dtype, d_qk: int, d_v: int, n_pad: int):
+    def __init__(self, dtype, d_qk: int, d_v: int, n_pad: int, lanes: int = 1):
         assert d_v == 512 and d_qk in (512, 576)
         assert n_pad % 8 == 0 and 8 <= n_pad <= 32
+        assert lanes in (1, 2)
         self.dtype = dtype
+        self.lanes = lanes  # consumer warpgroups, each on its own tokens (see _stream_pos)
         self.d_qk = d_qk
         self.d_v = d_v
         self.np_ = n_pad
         self.bn = 64  # keys per block
-        self.threads = 256
+        self.threads = 128 * (lanes + 1)
         self.nk = d_qk // 64  # slabs per block (8 or 9)
         self.nv_slabs = d_v // 64  # slabs read by P V (8)
         self.q_chunks = d_qk // 8  # 16-byte chunks per Q row
         self.nv = n_pad // 2  # S^T accumulator values per thread (64 * NP / 128)
         self.nc = n_pad // 4  # head columns per thread
-        # Shared memory: Q 2 x NP x Dqk, P^T NP x 64, 1 KB of small things, the rest is ring.
+        # Shared memory: Q 2 x NP x Dqk, P^T NP x 64 per lane, small things, the rest is ring.
         q_bytes = 2 * n_pad * d_qk * 2
-        p_bytes = n_pad * 64 * 2
+        p_bytes = lanes * n_pad * 64 * 2
 
         def total(ring):  # the layout of SharedStorage below
-            small = 2 * 16 * n_pad + (2 * ring + 4) * 8
+            small = lanes * 2 * 16 * n_pad + (2 * ring + 4) * 8
             return q_bytes + ring * SLAB_BYTES + p_bytes + small
 
         ring = 32
         while total(ring) > SMEM_BUDGET:
             ring -= 1
         self.ring = ring
-        assert self.ring >= 2 * self.nk, (d_qk, n_pad, self.ring)
+        # One block per lane held by its consumer plus at least one being filled.
+        assert self.ring >= lanes * self.nk + 2 * (lanes - 1) and self.ring >= 2 * self.nk, (
+            d_qk, n_pad, lanes, self.ring)
 
     def layouts(self):
         """(k atom, Q layout, slab layout, V^T slab layout, P^T layout)."""
@@ -157,9 +175,11 @@ class _SmallHKernel:
             sRing: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, ring * cute.cosize(sK_layout)], 1024
             ]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, np_ * 64], 1024]
-            sMax: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * np_], 16]
-            sSum: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * np_], 16]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, self.lanes * np_ * 64], 1024]
+            sMax: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.lanes * 4 * np_],
+                                    16]
+            sSum: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.lanes * 4 * np_],
+                                    16]
             # full[ring], empty[ring], qfull[2], qempty[2]
             mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 2 * ring + 4], 8]
 
@@ -216,11 +236,33 @@ class _SmallHKernel:
         tile_to_shape(K_SW128 atom, (rows, cols), (0, 1)) with the swizzle applied."""
         return ((chunk // 8) * rows + row) * 128 + (((chunk % 8) ^ (row % 8)) * 16)
 
+    # ------------------------------------------------------------------ block stream
+    @staticmethod
+    def _n_blocks(mLen, tok, tok_end, K, bn):
+        """(keff, blocks) of token tok: keff = min(K, topk_length) and at least one block (an
+        empty list still has one all-invalid block); (0, 0) when tok >= tok_end."""
+        live = tok < tok_end
+        keff = cutlass.min(K, cutlass.max(mLen[cutlass.min(tok, tok_end - 1)], 0))
+        nb = cutlass.max((keff + bn - 1) // bn, 1)
+        return (cutlass.Int32(cutlass.select_(live, keff, cutlass.Int32(0))),
+                cutlass.Int32(cutlass.select_(live, nb, cutlass.Int32(0))))
+
+    @staticmethod
+    def _stream_pos(base, r, lane, nb_other):
+        """Stream position (in blocks) of block r of lane `lane`'s token in the current group.
+
+        The CTA's tokens are taken in groups of `lanes` consecutive tokens; token tok_g + c
+        belongs to consumer lane c. The producer emits a group's blocks round by round, lane 0's
+        block r before lane 1's block r, skipping lanes whose token has no block r left; `base`
+        counts the blocks of the earlier groups. Lane 0's block r follows r blocks of its own
+        and min(r, nb_1) of lane 1; lane 1's block r follows min(r + 1, nb_0) and r."""
+        return base + r + cutlass.min(r + lane, nb_other)
+
     # ------------------------------------------------------------------ producer
     @cute.jit
     def _produce(self, mQ, mKV, mIdx, mLen, q_base, ring_base, mbar, T, H, S, K,
                  tok_begin, tok_end, p):
-        bn, nk, ring, np_ = self.bn, self.nk, self.ring, self.np_
+        bn, nk, ring, np_, lanes = self.bn, self.nk, self.ring, self.np_, self.lanes
         prow = p // 8  # rows prow + 16 q, q < 4
         pch = p % 8  # 16-byte chunk inside the slab's 128-byte row segment
         kv_addr = mKV.iterator.toint()
@@ -232,107 +274,88 @@ class _SmallHKernel:
         # Byte offsets of this thread's 4 destination chunks inside a slab.
         dst_off = [self._sw128(bn, prow + 16 * q, pch) for q in range(4)]
 
-        tok = tok_begin
-        blk = cutlass.Int32(0)
-        keff = cutlass.min(K, cutlass.max(mLen[tok], 0))
-        nb = cutlass.max((keff + bn - 1) // bn, 1)
-        len_nxt = cutlass.Int32(0)
-        if tok + 1 < tok_end:
-            len_nxt = mLen[tok + 1]
-        idx_cur = cute.make_rmem_tensor(4, cutlass.Int32)
-        idx_nxt = cute.make_rmem_tensor(4, cutlass.Int32)
-        for q in cutlass.range_constexpr(4):
-            j = prow + 16 * q
-            v = cutlass.Int32(-1)
-            if j < keff:
-                v = mIdx[cutlass.Int64(tok) * cutlass.Int64(K) + cutlass.Int64(j)]
-            idx_cur[q] = v
         pos = cutlass.Int32(0)  # ring position of the next slab
         ph = cutlass.Int32(0)  # parity of its use count
         wrapped = cutlass.Int32(0)  # 1 once the ring has been filled once
-        qi = cutlass.Int32(0)  # token counter (Q buffer = qi % 2)
+        tok_g = tok_begin
+        while tok_g < tok_end:
+            keffs = []
+            nbs = []
+            for c in cutlass.range_constexpr(lanes):
+                ke, n = self._n_blocks(mLen, tok_g + c, tok_end, K, bn)
+                keffs.append(ke)
+                nbs.append(n)
+            n_rounds = nbs[0]
+            if cutlass.const_expr(lanes == 2):
+                n_rounds = cutlass.max(nbs[0], nbs[1])
 
-        while tok < tok_end:
-            # Indices of the next block in the stream (only j < topk_length is read; the
-            # next token's length was loaded a token ahead).
-            n_tok = tok
-            n_blk = blk + 1
-            if n_blk == nb:
-                n_tok = tok + 1
-                n_blk = cutlass.Int32(0)
-            n_keff = keff
-            if n_tok != tok:
-                n_keff = cutlass.min(K, cutlass.max(len_nxt, 0))
-            for q in cutlass.range_constexpr(4):
-                j = n_blk * bn + prow + 16 * q
-                v = cutlass.Int32(-1)
-                if n_tok < tok_end and j < n_keff:
-                    v = mIdx[cutlass.Int64(n_tok) * cutlass.Int64(K) + cutlass.Int64(j)]
-                idx_nxt[q] = v
+            # ---- Q of the group's tokens: buffer (token - tok_begin) % 2, heads >= H zeros ----
+            for c in cutlass.range_constexpr(lanes):
+                tok = tok_g + c
+                if tok < tok_end:
+                    qi = tok - tok_begin
+                    qb = qi % 2
+                    if qi >= 2:
+                        cute.arch.mbarrier_wait(qempty + qb, ((qi // 2) - 1) % 2)
+                    q_dst = q_base + qb * (np_ * self.d_qk * 2)
+                    n_q = np_ * self.q_chunks
+                    for i in cutlass.range_constexpr((n_q + 127) // 128):
+                        flat = p + 128 * i
+                        if flat < n_q:
+                            h = flat // self.q_chunks
+                            ch = flat - h * self.q_chunks
+                            src = q_addr
+                            nbytes = cutlass.Int32(0)
+                            if h < H:
+                                src = q_addr + (
+                                    (cutlass.Int64(tok) * cutlass.Int64(H) + cutlass.Int64(h))
+                                    * cutlass.Int64(self.d_qk) + cutlass.Int64(8 * ch)
+                                ) * 2
+                                nbytes = cutlass.Int32(16)
+                            _cp_async_16(q_dst + self._sw128(np_, h, ch), src, nbytes)
+                    cute.arch.cp_async_mbarrier_arrive_noinc(qfull + qb)
 
-            if blk == 0:
-                # ---- Q of this token into buffer qi % 2 (heads h >= H: zeros) ----------------
-                qb = qi % 2
-                if qi >= 2:
-                    cute.arch.mbarrier_wait(qempty + qb, ((qi // 2) - 1) % 2)
-                q_dst = q_base + qb * (np_ * self.d_qk * 2)
-                n_q = np_ * self.q_chunks
-                for i in cutlass.range_constexpr((n_q + 127) // 128):
-                    flat = p + 128 * i
-                    if flat < n_q:
-                        h = flat // self.q_chunks
-                        c = flat - h * self.q_chunks
-                        src = q_addr
-                        nbytes = cutlass.Int32(0)
-                        if h < H:
-                            src = q_addr + (
-                                (cutlass.Int64(tok) * cutlass.Int64(H) + cutlass.Int64(h))
-                                * cutlass.Int64(self.d_qk) + cutlass.Int64(8 * c)
-                            ) * 2
-                            nbytes = cutlass.Int32(16)
-                        _cp_async_16(q_dst + self._sw128(np_, h, c), src, nbytes)
-                cute.arch.cp_async_mbarrier_arrive_noinc(qfull + qb)
-
-            # ---- the block's nk slabs ----------------------------------------------------------
-            kv_batch = cutlass.Int64(tok // T) * cutlass.Int64(S)
-            row_src = []
-            row_n = []
-            for q in cutlass.range_constexpr(4):
-                r = idx_cur[q]
-                ok = blk * bn + prow + 16 * q < keff and r >= 0 and r < S
-                g_off = kv_addr + (
-                    (kv_batch + cutlass.Int64(r)) * cutlass.Int64(self.d_qk)
-                    + cutlass.Int64(8 * pch)
-                ) * 2
-                # Invalid: src-size 0 (zero fill) from row 0 of kv, which is never read.
-                row_src.append(g_off if ok else kv_addr)
-                row_n.append(cutlass.Int32(16) if ok else cutlass.Int32(0))
-            for j in cutlass.range_constexpr(nk):
-                if wrapped != 0:
-                    cute.arch.mbarrier_wait(empty + pos, 1 - ph)
-                slab = ring_base + pos * SLAB_BYTES
-                for q in cutlass.range_constexpr(4):
-                    # column 64 j = byte 128 j of the row
-                    _cp_async_16(slab + dst_off[q], row_src[q] + 128 * j, row_n[q])
-                cute.arch.cp_async_mbarrier_arrive_noinc(full + pos)
-                pos = pos + 1
-                if pos == ring:
-                    pos = cutlass.Int32(0)
-                    ph = 1 - ph
-                    wrapped = cutlass.Int32(1)
-
-            # ---- advance --------------------------------------------------------------------
-            for q in cutlass.range_constexpr(4):
-                idx_cur[q] = idx_nxt[q]
-            if n_tok != tok:
-                qi = qi + 1
-                keff = cutlass.min(K, cutlass.max(len_nxt, 0))
-                nb = cutlass.max((keff + bn - 1) // bn, 1)
-                len_nxt = cutlass.Int32(0)
-                if n_tok + 1 < tok_end:
-                    len_nxt = mLen[n_tok + 1]
-            tok = n_tok
-            blk = n_blk
+            for r in cutlass.range(n_rounds, unroll=1):
+                # The round's indices for every lane first (one load latency per round); only
+                # j < topk_length is read.
+                srcs = []
+                ns = []
+                for c in cutlass.range_constexpr(lanes):
+                    tok = tok_g + c
+                    kv_batch = cutlass.Int64(tok // T) * cutlass.Int64(S)
+                    tok_k = cutlass.Int64(tok) * cutlass.Int64(K)
+                    for q in cutlass.range_constexpr(4):
+                        j = r * bn + prow + 16 * q
+                        ok = r < nbs[c] and j < keffs[c]
+                        v = cutlass.Int32(-1)
+                        if ok:
+                            v = mIdx[tok_k + cutlass.Int64(j)]
+                        ok = ok and v >= 0 and v < S
+                        g_off = kv_addr + (
+                            (kv_batch + cutlass.Int64(v)) * cutlass.Int64(self.d_qk)
+                            + cutlass.Int64(8 * pch)
+                        ) * 2
+                        # Invalid: src-size 0 (zero fill) from row 0 of kv, which is never read.
+                        srcs.append(g_off if ok else kv_addr)
+                        ns.append(cutlass.Int32(16) if ok else cutlass.Int32(0))
+                for c in cutlass.range_constexpr(lanes):
+                    if r < nbs[c]:
+                        # ---- block r of lane c's token: its nk slabs ---------------------------
+                        for j in cutlass.range_constexpr(nk):
+                            if wrapped != 0:
+                                cute.arch.mbarrier_wait(empty + pos, 1 - ph)
+                            slab = ring_base + pos * SLAB_BYTES
+                            for q in cutlass.range_constexpr(4):
+                                # column 64 j = byte 128 j of the row
+                                _cp_async_16(slab + dst_off[q], srcs[4 * c + q] + 128 * j,
+                                             ns[4 * c + q])
+                            cute.arch.cp_async_mbarrier_arrive_noinc(full + pos)
+                            pos = pos + 1
+                            if pos == ring:
+                                pos = cutlass.Int32(0)
+                                ph = 1 - ph
+                                wrapped = cutlass.Int32(1)
+            tok_g = tok_g + lanes
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
 
@@ -340,8 +363,9 @@ class _SmallHKernel:
     @cute.jit
     def _consume(self, mIdx, mLen, mSink, mO, mLse, H, S, K, scale_log2, q_sw, ring_sw, sP,
                  sMax, sSum, mbar, sQ_layout, sK_layout, sVt_layout, qk_mma, pv_mma,
-                 tok_begin, tok_end, gtid):
-        bn, np_, nc, nk, ring = self.bn, self.np_, self.nc, self.nk, self.ring
+                 tok_begin, tok_end, gtid, lane_id: cutlass.Constexpr):
+        bn, np_, nc, nk, ring, lanes = self.bn, self.np_, self.nc, self.nk, self.ring, self.lanes
+        bar_id = CONSUMER_BAR + lane_id  # this consumer warpgroup's named barrier
         warp = gtid // 32
         lane = gtid % 32
         full = mbar
@@ -368,29 +392,35 @@ class _SmallHKernel:
         key0 = tScS[0, 0][0]
         key1 = tScS[1, 0][0]
 
-        tok = tok_begin
+        # This lane's tokens: tok_begin + lane_id, then every `lanes`-th (see _stream_pos).
+        tok = tok_begin + lane_id
         blk = cutlass.Int32(0)
-        keff = cutlass.min(K, cutlass.max(mLen[tok], 0))
-        nb = cutlass.max((keff + bn - 1) // bn, 1)
-        len_nxt = cutlass.Int32(0)
-        if tok + 1 < tok_end:
-            len_nxt = mLen[tok + 1]
+        keff, nb = self._n_blocks(mLen, tok, tok_end, K, bn)
+        nb_o = cutlass.Int32(0)  # blocks of the other lane's token of the group
+        if cutlass.const_expr(lanes == 2):
+            _, nb_o = self._n_blocks(mLen, tok + 1 - 2 * lane_id, tok_end, K, bn)
+        len_nxt = cutlass.Int32(0)  # topk_length of this lane's next token
+        len_o_nxt = cutlass.Int32(0)  # and of the other lane's token of that group
+        if tok + lanes < tok_end:
+            len_nxt = mLen[tok + lanes]
+        if cutlass.const_expr(lanes == 2):
+            if tok + lanes + 1 - 2 * lane_id < tok_end:
+                len_o_nxt = mLen[tok + lanes + 1 - 2 * lane_id]
         iv0 = cutlass.Int32(-1)
         iv1 = cutlass.Int32(-1)
-        tok_k = cutlass.Int64(tok) * cutlass.Int64(K)
-        if key0 < keff:
-            iv0 = mIdx[tok_k + cutlass.Int64(key0)]
-        if key1 < keff:
-            iv1 = mIdx[tok_k + cutlass.Int64(key1)]
-        pos0 = cutlass.Int32(0)  # ring position of the block's first slab
-        ph0 = cutlass.Int32(0)  # parity of its use count
-        qi = cutlass.Int32(0)
+        if tok < tok_end:
+            tok_k = cutlass.Int64(tok) * cutlass.Int64(K)
+            if key0 < keff:
+                iv0 = mIdx[tok_k + cutlass.Int64(key0)]
+            if key1 < keff:
+                iv1 = mIdx[tok_k + cutlass.Int64(key1)]
+        stream_base = cutlass.Int32(0)  # stream blocks of the earlier groups
 
         while tok < tok_end:
             n_tok = tok
             n_blk = blk + 1
             if n_blk == nb:
-                n_tok = tok + 1
+                n_tok = tok + lanes
                 n_blk = cutlass.Int32(0)
             # Indices of my two keys in the next block (loaded a block ahead).
             n_keff = keff
@@ -405,6 +435,11 @@ class _SmallHKernel:
                 if n_blk * bn + key1 < n_keff:
                     nv1 = mIdx[n_k + cutlass.Int64(n_blk * bn + key1)]
 
+            # ring position / parity of this block's first slab
+            slab0 = self._stream_pos(stream_base, blk, lane_id, nb_o) * nk
+            pos0 = slab0 % ring
+            ph0 = (slab0 // ring) % 2
+            qi = tok - tok_begin
             qb = qi % 2
             if blk == 0:
                 cute.arch.mbarrier_wait(qfull + qb, (qi // 2) % 2)
@@ -453,9 +488,9 @@ class _SmallHKernel:
 
             # ---- mask, online softmax over keys (rows) per head (column) ----------------
             S_mn = self._acc_mn_view(acc_S)
-            base = blk * bn
-            ok0 = base + key0 < keff and iv0 >= 0 and iv0 < S
-            ok1 = base + key1 < keff and iv1 >= 0 and iv1 < S
+            key_base = blk * bn
+            ok0 = key_base + key0 < keff and iv0 >= 0 and iv0 < S
+            ok1 = key_base + key1 < keff and iv1 >= 0 and iv1 < S
             for c in cutlass.range_constexpr(nc):
                 s0 = S_mn[0, c] * scale_log2
                 s1 = S_mn[1, c] * scale_log2
@@ -469,7 +504,7 @@ class _SmallHKernel:
                 v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=16))
                 if lane < 4:
                     sMax[warp, tScS[0, c][1]] = v
-            cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=128)
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=128)
             for c in cutlass.range_constexpr(nc):
                 col = tScS[0, c][1]
                 m_blk = cute.arch.fmax(
@@ -490,7 +525,7 @@ class _SmallHKernel:
                 sP[col, key1] = p1.to(self.dtype)
             # P^T (generic stores) -> wgmma.
             cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=128)
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=128)
             for m in cutlass.range_constexpr(self.nv_slabs):
                 for c in cutlass.range_constexpr(nc):
                     for r in cutlass.range_constexpr(n_orows):
@@ -521,10 +556,6 @@ class _SmallHKernel:
                         if pj >= ring:
                             pj = pj - ring
                         cute.arch.mbarrier_arrive(empty + pj)
-            pos0 = pos0 + nk
-            if pos0 >= ring:
-                pos0 = pos0 - ring
-                ph0 = 1 - ph0
 
             if blk == nb - 1:
                 # ---- epilogue of token tok -----------------------------------------------
@@ -535,7 +566,7 @@ class _SmallHKernel:
                     v = v + cute.arch.shuffle_sync_bfly(v, offset=16)
                     if lane < 4:
                         sSum[warp, tScS[0, c][1]] = v
-                cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=128)
+                cute.arch.barrier(barrier_id=bar_id, number_of_threads=128)
                 tok_h = cutlass.Int64(tok) * cutlass.Int64(H)
                 for c in cutlass.range_constexpr(nc):
                     h = tOcO[0, c][1]
@@ -562,12 +593,20 @@ class _SmallHKernel:
             iv0 = nv0
             iv1 = nv1
             if n_tok != tok:
-                qi = qi + 1
+                stream_base = stream_base + nb + nb_o
                 keff = cutlass.min(K, cutlass.max(len_nxt, 0))
                 nb = cutlass.max((keff + bn - 1) // bn, 1)
+                if cutlass.const_expr(lanes == 2):
+                    nb_o = cutlass.Int32(0)
+                    if n_tok + 1 - 2 * lane_id < tok_end:
+                        nb_o = cutlass.max(
+                            (cutlass.min(K, cutlass.max(len_o_nxt, 0)) + bn - 1) // bn, 1)
+                    len_o_nxt = cutlass.Int32(0)
+                    if n_tok + lanes + 1 - 2 * lane_id < tok_end:
+                        len_o_nxt = mLen[n_tok + lanes + 1 - 2 * lane_id]
                 len_nxt = cutlass.Int32(0)
-                if n_tok + 1 < tok_end:
-                    len_nxt = mLen[n_tok + 1]
+                if n_tok + lanes < tok_end:
+                    len_nxt = mLen[n_tok + lanes]
             tok = n_tok
             blk = n_blk
 
@@ -625,33 +664,44 @@ class _SmallHKernel:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        if wg == 1:
+        if wg == self.lanes:
             # ================================ producer =================================
             self._produce(mQ, mKV, mIdx, mLen, storage.sQ.data_ptr().toint(),
                           storage.sRing.data_ptr().toint(), mbar, T, H, S, K,
                           tok_begin, tok_end, gtid)
         else:
-            # ================================ consumer =================================
+            # ============================ consumer lane(s) =============================
             q_sw = cute.recast_ptr(storage.sQ.data_ptr(), swizzle_=swz)
             ring_sw = cute.recast_ptr(storage.sRing.data_ptr(), swizzle_=swz)
-            sP = cute.make_tensor(
-                cute.recast_ptr(storage.sP.data_ptr(), swizzle_=swz), sP_layout
-            )
-            sMax = storage.sMax.get_tensor(cute.make_layout((4, np_), stride=(np_, 1)))
-            sSum = storage.sSum.get_tensor(cute.make_layout((4, np_), stride=(np_, 1)))
-            self._consume(mIdx, mLen, mSink, mO, mLse, H, S, K, scale_log2, q_sw, ring_sw, sP,
-                          sMax, sSum, mbar, sQ_layout, sK_layout, sVt_layout, qk_mma, pv_mma,
-                          tok_begin, tok_end, gtid)
+            for lane_id in cutlass.range_constexpr(self.lanes):
+                if wg == lane_id:
+                    sP = cute.make_tensor(
+                        cute.recast_ptr(storage.sP.data_ptr() + lane_id * (np_ * 64),
+                                        swizzle_=swz),
+                        sP_layout,
+                    )
+                    small = cute.make_layout((4, np_), stride=(np_, 1))
+                    sMax = cute.make_tensor(storage.sMax.data_ptr() + lane_id * (4 * np_), small)
+                    sSum = cute.make_tensor(storage.sSum.data_ptr() + lane_id * (4 * np_), small)
+                    self._consume(mIdx, mLen, mSink, mO, mLse, H, S, K, scale_log2, q_sw,
+                                  ring_sw, sP, sMax, sSum, mbar, sQ_layout, sK_layout,
+                                  sVt_layout, qk_mma, pv_mma, tok_begin, tok_end, gtid, lane_id)
 
 
 class SparseMlaFwdSmallHSm90:
-    """Host entry: picks NP in (8, 16, 24, 32) from H at run time (H must be <= 32)."""
+    """Host entry: picks NP in (8, 16, 24, 32) from H at run time (H must be <= 32).
+
+    lanes=2: two consumer warpgroups on alternate tokens for NP <= 24, where the ring still
+    holds two blocks plus two slabs next to the second P^T tile (_SmallHKernel asserts it) and
+    a consumer fits in the 168 registers a thread of 384 gets (NP 32's O^T alone is 128 fp32
+    per thread: ptxas spills); NP 32 keeps one consumer."""
 
     NPS = (8, 16, 24, 32)
 
-    def __init__(self, dtype, d_qk: int, d_v: int = 512, nps=NPS):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512, nps=NPS, lanes: int = 1):
         nps = sorted(nps)
-        self.variants = [_SmallHKernel(dtype, d_qk, d_v, n) for n in nps]
+        self.variants = [_SmallHKernel(dtype, d_qk, d_v, n, lanes if n <= 24 else 1)
+                         for n in nps]
         self.hi = list(nps)
         self.lo = [0] + list(nps[:-1])
 
@@ -683,8 +733,14 @@ class SparseMlaFwdSmallHSm90:
                                         tpc, scale_log2, n_cta, stream)
 
 
-def compile_fwd_smallh(dtype, d_qk: int, d_v: int = 512, nps=SparseMlaFwdSmallHSm90.NPS):
+def compile_fwd_smallh(dtype, d_qk: int, d_v: int = 512, nps=SparseMlaFwdSmallHSm90.NPS,
+                       lanes: int = 1):
     """Compile with shape-only tensors (common.fwd_fake_args). Valid for 1 <= H <= max(nps);
     other H launch nothing."""
-    return cute.compile(SparseMlaFwdSmallHSm90(dtype, d_qk, d_v, nps),
+    return cute.compile(SparseMlaFwdSmallHSm90(dtype, d_qk, d_v, nps, lanes),
                         *fwd_fake_args(dtype, d_qk, d_v))
+
+
+def compile_fwd_smallh2(dtype, d_qk: int, d_v: int = 512):
+    """The two-consumer variant (export tag "smallh2")."""
+    return compile_fwd_smallh(dtype, d_qk, d_v, lanes=2)

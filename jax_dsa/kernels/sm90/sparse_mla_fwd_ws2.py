@@ -9,7 +9,8 @@ kclk/block predicted below. ncu at H = 64: tensor pipe 44 % busy, L2 33 %, L1 49
 Two experimental flags (tools/build_kernels.py --experimental): pair_heads=True ("ws2c", H > 64:
 the two head blocks of a token share each gathered row through a 2-CTA cluster, see
 _produce_pair; measured correct but 17 % slower at H = 128) and idx_ahead=True ("ws2i": the
-producer loads the next pair's indices a whole pair ahead; not yet run on a GPU). Cycle figures below are per SM, at the H100/H200 dense bf16 rate of
+producer loads the next pair's indices a whole pair ahead; correct on the H200 and no faster:
+the index load was already hidden). Cycle figures below are per SM, at the H100/H200 dense bf16 rate of
 2048 FMA/clk and 128 B/clk of shared memory; "block" = 64 gathered KV rows x 64 heads.
 
 Why not the FA3 intra-warpgroup pipeline on top of ws
