@@ -51,7 +51,11 @@ EXPERIMENTAL_FWD = {
     "ws2c": ("sparse_mla_fwd_ws2", "compile_fwd_ws2_pair"),
     "ws2i": ("sparse_mla_fwd_ws2", "compile_fwd_ws2_idx_ahead"),
 }
-EXPERIMENTAL_BWD: dict = {}
+# wgc: the wgmma backward with the two head blocks of a token (H in 65..128, Dqk 512) as one
+# 2-CTA cluster that sums its dKV partials before the RED (one RED per entry): not yet on a GPU.
+EXPERIMENTAL_BWD = {
+    "wgc": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma_pair"),
+}
 # (dtype name, Dqk); one export per variant and spec.
 FWD_SPECS = [("bf16", 512), ("bf16", 576), ("f16", 512), ("f16", 576)]
 

@@ -74,6 +74,34 @@ def copy_smem_to_peer(sptr, mbar, peer, nbytes: int, *, loc=None, ip=None):
     )
 
 
+
+@dsl_user_op
+def st_async_peer_v4_f32(sptr, mbar, peer, a, b, c, d, *, loc=None, ip=None):
+    """st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32: store 16 bytes to the
+    offset of sptr in the shared memory of cluster CTA `peer`, completing 16 bytes of
+    transactions on the peer's mbarrier at the offset of `mbar` (both located with mapa; PTX
+    ISA, sm_90). sptr 16-byte aligned."""
+    args = [sptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+            mbar.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+            cutlass.Int32(peer).ir_value(loc=loc, ip=ip)]
+    args += [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)]
+    llvm.inline_asm(
+        None,
+        args,
+        "{\n.reg .b32 dst, bar;\n"
+        "mapa.shared::cluster.u32 dst, $0, $2;\n"
+        "mapa.shared::cluster.u32 bar, $1, $2;\n"
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 "
+        "[dst], {$3, $4, $5, $6}, [bar];\n}",
+        "r,r,r,f,f,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
 def _rows(dtype, n_rows, n_cols, align=16):
     return make_fake_compact_tensor(dtype, (n_rows, n_cols), stride_order=(1, 0),
                                     assumed_align=align)

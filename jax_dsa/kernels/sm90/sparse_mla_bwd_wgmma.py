@@ -75,6 +75,10 @@ Scaling: bf16 folds scale into dS before rounding (dq and the dS^T Q term carry 
 dS unscaled (range) and stores P as c P~ / scale (<= Dqk**0.5, finite in fp16), so that the
 whole dKV accumulator, and dQ, are multiplied by scale in fp32 afterwards.
 
+Experimental pair_heads ("wgc", Dqk 512, atomic mode): with two head blocks the CTAs of a token
+form a 2-CTA cluster and add each other's dKV partials before the RED, one chunk owner each
+(_pair_chunk; sRecv 16 KB + 2 mbarriers: 224.5 KB of shared memory). Not yet run on a GPU.
+
 Heads h >= H: zero rows of Q / dO in smem (never read from global), p~ = 0 (lse = +inf), never
 stored. Dead rows (lse = -inf): all gradients 0. Invalid entries (j >= min(K, topk_length),
 idx < 0, idx >= S): their smem rows are zero-filled (never read from global), p~ = 0, and no
@@ -85,10 +89,12 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass._mlir.dialects import nvvm
 import cuda.bindings.driver as cuda
 
 from jax_dsa.kernels.sm90.common import (LOG2_E, bwd_fake_args, compile_options,
-                                         red_add_v4_f32, st_global_v4_f32)
+                                         red_add_v4_f32, st_async_peer_v4_f32,
+                                         st_global_v4_f32)
 
 
 
@@ -124,13 +130,21 @@ def _lines_per_row_transpose(v: list, lane):
 KV_FULL = 0
 DS_FULL = 1
 DS_EMPTY = 2
+RECV_FULL = 3  # pair_heads only: the peer's dKV chunk has landed in sRecv
+RECV_EMPTY = 4  # pair_heads only: the peer has consumed what we stored into its sRecv
 
 
 class SparseMlaBwdWgmmaSm90:
-    def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
+                 pair_heads: bool = False):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
+        # pair_heads (experimental "wgc"): at two head blocks the CTAs of a token form a 2-CTA
+        # cluster and sum their dKV partials before the RED (see _pair_chunk). Needs 16 KB of
+        # shared memory more, which only Dqk 512 has; not in deterministic mode.
+        self.pair = pair_heads and d_qk == 512 and not deterministic
+        self.pair_host = pair_heads
         self.d_qk = d_qk
         self.d_v = d_v
         self.rope = d_qk - d_v  # 0 or 64
@@ -150,11 +164,51 @@ class SparseMlaBwdWgmmaSm90:
         self.io_tpr = self.threads // self.bm  # 4 threads per row for Q / dO / dQ copies
         self.n_ch = d_qk // 64  # dKV 64-column chunks (9 or 8)
         self.skip_heads = True  # issue only ceil(live heads / 16) dKV k-steps
+        # the kernel launched when pair_heads is set but there is one head block (H <= 64),
+        # or Dqk / determinism rule the pairing out
+        self._single = (SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic)
+                        if pair_heads else None)
 
 
     # ---------------------------------------------------------------- host side
     @cute.jit
     def __call__(
+        self,
+        mQ: cute.Tensor,
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mLen: cute.Tensor,
+        mLse: cute.Tensor,
+        mDO: cute.Tensor,
+        mCoef: cute.Tensor,
+        mDQ: cute.Tensor,
+        mDKV: cute.Tensor,
+        B: cutlass.Int32,
+        T: cutlass.Int32,
+        H: cutlass.Int32,
+        S: cutlass.Int32,
+        K: cutlass.Int32,
+        t_begin: cutlass.Int32,
+        n_tok: cutlass.Int32,
+        scale: cutlass.Float32,
+        stream: cuda.CUstream,
+    ):
+        if cutlass.const_expr(self.pair):
+            if (H + self.bm - 1) // self.bm == 2:
+                self._launch(mQ, mKV, mIdx, mLen, mLse, mDO, mCoef, mDQ, mDKV, B, T, H, S, K,
+                             t_begin, n_tok, scale, stream)
+            else:
+                self._single._launch(mQ, mKV, mIdx, mLen, mLse, mDO, mCoef, mDQ, mDKV, B, T,
+                                     H, S, K, t_begin, n_tok, scale, stream)
+        elif cutlass.const_expr(self.pair_host):  # pairing ruled out: the plain kernel only
+            self._single._launch(mQ, mKV, mIdx, mLen, mLse, mDO, mCoef, mDQ, mDKV, B, T, H, S,
+                                 K, t_begin, n_tok, scale, stream)
+        else:
+            self._launch(mQ, mKV, mIdx, mLen, mLse, mDO, mCoef, mDQ, mDKV, B, T, H, S, K,
+                         t_begin, n_tok, scale, stream)
+
+    @cute.jit
+    def _launch(
         self,
         mQ: cute.Tensor,
         mKV: cute.Tensor,
@@ -224,6 +278,7 @@ class SparseMlaBwdWgmmaSm90:
             smem=SharedStorage.size_in_bytes(),
             min_blocks_per_mp=1,
             stream=stream,
+            **({"cluster": [1, 2, 1]} if self.pair else {}),
         )
 
     # ---------------------------------------------------------------- helpers
@@ -240,7 +295,19 @@ class SparseMlaBwdWgmmaSm90:
             sRow: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * self.bn], 16]
             mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 4], 8]
 
-        return SharedStorage
+        @cute.struct
+        class PairSharedStorage:  # SharedStorage + the peer's dKV chunk (pair_heads)
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sDO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sDO_layout)], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sT_layout)], 1024]
+            sDS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sT_layout)], 1024]
+            sRow: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * self.bn], 16]
+            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 6], 8]
+            # 16-byte vector j of WG1 thread t's 32 accumulator values at (j * 128 + t) * 16 B
+            sRecv: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 128 * 32], 16]
+
+        return PairSharedStorage if self.pair else SharedStorage
 
     @staticmethod
     def _chunk(t: cute.Tensor, row, c) -> cute.Tensor:
@@ -368,6 +435,9 @@ class SparseMlaBwdWgmmaSm90:
             cute.arch.mbarrier_init(mbar + KV_FULL, 2 * self.threads)
             cute.arch.mbarrier_init(mbar + DS_FULL, 128)
             cute.arch.mbarrier_init(mbar + DS_EMPTY, 128)
+            if cutlass.const_expr(self.pair):
+                cute.arch.mbarrier_init(mbar + RECV_FULL, 1)  # + the peer's 16 KB of tx
+                cute.arch.mbarrier_init(mbar + RECV_EMPTY, 4)  # lane 0 of the peer's 4 warps
         cute.arch.mbarrier_init_fence()
 
         cp_atom = cute.make_copy_atom(
@@ -393,6 +463,10 @@ class SparseMlaBwdWgmmaSm90:
             for i in cutlass.range_constexpr(d_v // 8 // self.io_tpr):
                 self._chunk(sDO, crow, csub + self.io_tpr * i).fill(0)
         cute.arch.sync_threads()  # mbarrier inits visible before any arrive
+        if cutlass.const_expr(self.pair):
+            # ... including the peer's, which store into our sRecv and arrive on our barriers
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
         # ---- gather mapping: 8 threads per row, rows grow + 16 p ---------------------------
         grow = gtid // self.g_tpr
@@ -636,7 +710,11 @@ class SparseMlaBwdWgmmaSm90:
                     else:
                         self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 3)
                     warpgroup.wait_group(0)
-                    self._scatter(acc, gtid % 32, rows, g_bases, ch, out_scale, mDKV)
+                    if cutlass.const_expr(self.pair):
+                        self._pair_chunk(acc, gtid, rows, g_bases, ch, blk, hb, out_scale, mDKV,
+                                         mbar, storage.sRecv.data_ptr())
+                    else:
+                        self._scatter(acc, gtid % 32, rows, g_bases, ch, out_scale, mDKV)
                 # this block's P / dS tiles and sRow slot are free again
                 cute.arch.mbarrier_arrive(mbar + DS_EMPTY)
 
@@ -672,6 +750,10 @@ class SparseMlaBwdWgmmaSm90:
             for i in cutlass.range_constexpr(self.chunks // self.io_tpr):
                 c = csub + self.io_tpr * i
                 cute.copy(st_atom, self._chunk(sO, crow, c), self._chunk(mDQ, q_row, c))
+        if cutlass.const_expr(self.pair):
+            # no CTA leaves while its peer may still store into it or arrive on its barriers
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     @cute.jit
     def _dkv_mma(self, dkv_mma: cute.TiledMma, acc: cute.Tensor, tKrDS: cute.Tensor,
@@ -686,6 +768,45 @@ class SparseMlaBwdWgmmaSm90:
             for k in cutlass.range_constexpr(nk):
                 cute.gemm(dkv_mma, acc, tKrP[None, None, k], tKrDO[None, None, k], acc)
         warpgroup.commit_group()
+
+    @cute.jit
+    def _pair_chunk(self, acc: cute.Tensor, gtid: cutlass.Int32, rows: list, g_bases: list,
+                    ch: cutlass.Int32, blk: cutlass.Int32, rank: cutlass.Int32,
+                    out_scale: cutlass.Float32, mDKV: cute.Tensor, mbar, recv_ptr):
+        """pair_heads: the two head-block CTAs of a token (cluster ranks 0 / 1) computed the same
+        64 x 64 dKV chunk over their own heads. Chunk ch belongs to rank ch % 2: the other CTA
+        stores its 32 accumulator values per thread into the owner's sRecv with st.async
+        (16 KB of tx on the owner's RECV_FULL), the owner adds them and issues the only RED of
+        the chunk, so every (token, entry) is added to dkv once instead of twice. Both CTAs
+        have the same thread -> element map, so the sum is elementwise in registers.
+        Exchange k = blk * n_ch / 2 + ch // 2 is the k-th use of the single sRecv buffer in
+        each direction: the owner's RECV_FULL phase k, the sender's RECV_EMPTY phase k (the
+        owner's 4 warps arrive remotely once their reads are in registers); the sender waits
+        for phase k - 1 before storing exchange k."""
+        k = blk * (self.n_ch // 2) + ch // 2
+        peer = 1 - rank
+        if ch % 2 == rank:
+            if gtid == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar + RECV_FULL, 128 * 32 * 4)
+            cute.arch.mbarrier_wait(mbar + RECV_FULL, k % 2)
+            sRecv = cute.make_tensor(recv_ptr, cute.make_layout(128 * 32))
+            for j in cutlass.range_constexpr(8):
+                for e in cutlass.range_constexpr(4):
+                    acc[4 * j + e] = acc[4 * j + e] + sRecv[(j * 128 + gtid) * 4 + e]
+            # Relaxed remote arrive: a release here is a MEMBAR.GPU that would wait for this
+            # thread's REDs of the previous chunk. The reads it must order are done: the adds
+            # above consumed them (in-order issue), and sync_warp covers the whole warp.
+            cute.arch.sync_warp()
+            if gtid % 32 == 0:
+                cute.arch.mbarrier_arrive(mbar + RECV_EMPTY, peer_cta_rank_in_cluster=peer,
+                                          relaxed=True, scope=nvvm.MemScopeKind.CLUSTER)
+            self._scatter(acc, gtid % 32, rows, g_bases, ch, out_scale, mDKV)
+        else:
+            if k >= 1:
+                cute.arch.mbarrier_wait(mbar + RECV_EMPTY, (k - 1) % 2)
+            for j in cutlass.range_constexpr(8):
+                st_async_peer_v4_f32(recv_ptr + (j * 128 + gtid) * 4, mbar + RECV_FULL, peer,
+                                     acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
 
     @cute.jit
     def _scatter(self, acc: cute.Tensor, lane: cutlass.Int32, rows: list, g_bases: list,
@@ -732,4 +853,12 @@ def compile_bwd_wgmma(dtype, d_qk: int, d_v: int = 512, deterministic: bool = Fa
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
     return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic),
+                        *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))
+
+
+def compile_bwd_wgmma_pair(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
+                           options: str | None = None):
+    """Experimental "wgc": pair_heads=True (Dqk 512, atomic mode, H in 65..128 run as 2-CTA
+    clusters; everything else launches the plain kernel)."""
+    return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, pair_heads=True),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))
