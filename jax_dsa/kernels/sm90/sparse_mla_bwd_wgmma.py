@@ -144,7 +144,6 @@ class SparseMlaBwdWgmmaSm90:
         # cluster and sum their dKV partials before the RED (see _pair_chunk). Needs 16 KB of
         # shared memory more, which only Dqk 512 has; not in deterministic mode.
         self.pair = pair_heads and d_qk == 512 and not deterministic
-        self.pair_host = pair_heads
         self.d_qk = d_qk
         self.d_v = d_v
         self.rope = d_qk - d_v  # 0 or 64
@@ -164,51 +163,13 @@ class SparseMlaBwdWgmmaSm90:
         self.io_tpr = self.threads // self.bm  # 4 threads per row for Q / dO / dQ copies
         self.n_ch = d_qk // 64  # dKV 64-column chunks (9 or 8)
         self.skip_heads = True  # issue only ceil(live heads / 16) dKV k-steps
-        # the kernel launched when pair_heads is set but there is one head block (H <= 64),
-        # or Dqk / determinism rule the pairing out
-        self._single = (SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic)
-                        if pair_heads else None)
+        # pair_heads: the kernel launched when there is one head block (H <= 64)
+        self._single = SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v) if self.pair else None
 
 
     # ---------------------------------------------------------------- host side
     @cute.jit
     def __call__(
-        self,
-        mQ: cute.Tensor,
-        mKV: cute.Tensor,
-        mIdx: cute.Tensor,
-        mLen: cute.Tensor,
-        mLse: cute.Tensor,
-        mDO: cute.Tensor,
-        mCoef: cute.Tensor,
-        mDQ: cute.Tensor,
-        mDKV: cute.Tensor,
-        B: cutlass.Int32,
-        T: cutlass.Int32,
-        H: cutlass.Int32,
-        S: cutlass.Int32,
-        K: cutlass.Int32,
-        t_begin: cutlass.Int32,
-        n_tok: cutlass.Int32,
-        scale: cutlass.Float32,
-        stream: cuda.CUstream,
-    ):
-        if cutlass.const_expr(self.pair):
-            if (H + self.bm - 1) // self.bm == 2:
-                self._launch(mQ, mKV, mIdx, mLen, mLse, mDO, mCoef, mDQ, mDKV, B, T, H, S, K,
-                             t_begin, n_tok, scale, stream)
-            else:
-                self._single._launch(mQ, mKV, mIdx, mLen, mLse, mDO, mCoef, mDQ, mDKV, B, T,
-                                     H, S, K, t_begin, n_tok, scale, stream)
-        elif cutlass.const_expr(self.pair_host):  # pairing ruled out: the plain kernel only
-            self._single._launch(mQ, mKV, mIdx, mLen, mLse, mDO, mCoef, mDQ, mDKV, B, T, H, S,
-                                 K, t_begin, n_tok, scale, stream)
-        else:
-            self._launch(mQ, mKV, mIdx, mLen, mLse, mDO, mCoef, mDQ, mDKV, B, T, H, S, K,
-                         t_begin, n_tok, scale, stream)
-
-    @cute.jit
-    def _launch(
         self,
         mQ: cute.Tensor,
         mKV: cute.Tensor,
@@ -249,8 +210,6 @@ class SparseMlaBwdWgmmaSm90:
         sOh_layout = cute.tile_to_shape(o_atom, (self.bm, self.split_col), (0, 1))
         sOr_layout = cute.tile_to_shape(o_atom, (self.bm, 64), (0, 1))
 
-        SharedStorage = self._shared_storage(sQ_layout, sDO_layout, sKV_layout, sT_layout)
-
         K_ = warpgroup.OperandMajorMode.K
         MN_ = warpgroup.OperandMajorMode.MN
         F32 = cutlass.Float32
@@ -265,21 +224,30 @@ class SparseMlaBwdWgmmaSm90:
         dkv_mma = sm90_utils.make_trivial_tiled_mma(dt, dt, MN_, MN_, F32, (1, 1, 1), (64, 64))
 
         n_hb = (H + self.bm - 1) // self.bm
-        self.kernel(
+        args = (
             mQ, mKV, mIdx, mLen, mLse, mDO, mCoef, mDQ, mDKV, T, H, S, K, t_begin, n_hb,
             scale,
             k_atom.inner, sQ_layout.outer, sDO_layout.outer, sKV_layout.outer,
             sT_layout.outer, sKt_layout.outer, sTt_layout.outer,
             sO_layout, sOh_layout, sOr_layout,
-            sdp_mma, dq0_mma, dq1_mma, dqr_mma, dkv_mma, SharedStorage,
-        ).launch(
-            grid=[n_tok, n_hb, 1],
-            block=[self.threads, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
-            min_blocks_per_mp=1,
-            stream=stream,
-            **({"cluster": [1, 2, 1]} if self.pair else {}),
+            sdp_mma, dq0_mma, dq1_mma, dqr_mma, dkv_mma,
         )
+        launch_kw = dict(grid=[n_tok, n_hb, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1,
+                         stream=stream)
+        layouts = (sQ_layout, sDO_layout, sKV_layout, sT_layout)
+        if cutlass.const_expr(self.pair):
+            if n_hb == 2:  # the two head blocks of a token as one 2-CTA cluster
+                self._launch_kernel(args, layouts, launch_kw)
+            else:
+                self._single._launch_kernel(args, layouts, launch_kw)
+        else:
+            self._launch_kernel(args, layouts, launch_kw)
+
+    @cute.jit
+    def _launch_kernel(self, args, layouts, launch_kw):
+        storage = self._shared_storage(*layouts)
+        cluster = {"cluster": [1, 2, 1]} if self.pair else {}
+        self.kernel(*args, storage).launch(smem=storage.size_in_bytes(), **launch_kw, **cluster)
 
     # ---------------------------------------------------------------- helpers
     def _shared_storage(self, sQ_layout, sDO_layout, sKV_layout, sT_layout):
