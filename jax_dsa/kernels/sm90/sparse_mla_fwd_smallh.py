@@ -122,12 +122,17 @@ def _cp_async_16(dst_smem: cutlass.Int32, src_gmem: cutlass.Int64, src_bytes: cu
 class _SmallHKernel:
     """One kernel specialization for NP padded heads."""
 
-    def __init__(self, dtype, d_qk: int, d_v: int, n_pad: int, lanes: int = 1):
+    def __init__(self, dtype, d_qk: int, d_v: int, n_pad: int, lanes: int = 1,
+                 split_regs: bool = False):
         assert d_v == 512 and d_qk in (512, 576)
         assert n_pad % 8 == 0 and 8 <= n_pad <= 32
         assert lanes in (1, 2)
         self.dtype = dtype
         self.lanes = lanes  # consumer warpgroups, each on its own tokens (see _stream_pos)
+        # split_regs (two lanes only): setmaxnreg, producer 40 / consumers 232 registers
+        # (128 x 40 + 256 x 232 = 64512), for NP 32 whose O^T needs more than 168 (at 56 / 224
+        # ptxas spills 14 words)
+        self.split_regs = split_regs and lanes == 2
         self.d_qk = d_qk
         self.d_v = d_v
         self.np_ = n_pad
@@ -211,6 +216,8 @@ class _SmallHKernel:
             block=[self.threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
+            # launch bounds: ptxas then budgets each role by its setmaxnreg value
+            **({"min_blocks_per_mp": 1} if self.split_regs else {}),
         )
 
     @staticmethod
@@ -666,11 +673,15 @@ class _SmallHKernel:
 
         if wg == self.lanes:
             # ================================ producer =================================
+            if cutlass.const_expr(self.split_regs):
+                cute.arch.setmaxregister_decrease(40)
             self._produce(mQ, mKV, mIdx, mLen, storage.sQ.data_ptr().toint(),
                           storage.sRing.data_ptr().toint(), mbar, T, H, S, K,
                           tok_begin, tok_end, gtid)
         else:
             # ============================ consumer lane(s) =============================
+            if cutlass.const_expr(self.split_regs):
+                cute.arch.setmaxregister_increase(232)
             q_sw = cute.recast_ptr(storage.sQ.data_ptr(), swizzle_=swz)
             ring_sw = cute.recast_ptr(storage.sRing.data_ptr(), swizzle_=swz)
             for lane_id in cutlass.range_constexpr(self.lanes):
@@ -698,10 +709,16 @@ class SparseMlaFwdSmallHSm90:
 
     NPS = (8, 16, 24, 32)
 
-    def __init__(self, dtype, d_qk: int, d_v: int = 512, nps=NPS, lanes: int = 1):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512, nps=NPS, lanes: int = 1,
+                 np32_split_regs: bool = False):
         nps = sorted(nps)
         self.variants = [_SmallHKernel(dtype, d_qk, d_v, n, lanes if n <= 24 else 1)
                          for n in nps]
+        if np32_split_regs and lanes == 2 and 32 in nps and d_qk == 512:
+            # experimental "smallh2r": NP 32 with two consumers too (Dqk 512: the ring holds
+            # 2 nk + 2 slabs; at 576 it does not)
+            self.variants[nps.index(32)] = _SmallHKernel(dtype, d_qk, d_v, 32, 2,
+                                                         split_regs=True)
         self.hi = list(nps)
         self.lo = [0] + list(nps[:-1])
 
@@ -734,13 +751,18 @@ class SparseMlaFwdSmallHSm90:
 
 
 def compile_fwd_smallh(dtype, d_qk: int, d_v: int = 512, nps=SparseMlaFwdSmallHSm90.NPS,
-                       lanes: int = 1):
+                       lanes: int = 1, np32_split_regs: bool = False):
     """Compile with shape-only tensors (common.fwd_fake_args). Valid for 1 <= H <= max(nps);
     other H launch nothing."""
-    return cute.compile(SparseMlaFwdSmallHSm90(dtype, d_qk, d_v, nps, lanes),
+    return cute.compile(SparseMlaFwdSmallHSm90(dtype, d_qk, d_v, nps, lanes, np32_split_regs),
                         *fwd_fake_args(dtype, d_qk, d_v))
 
 
 def compile_fwd_smallh2(dtype, d_qk: int, d_v: int = 512):
     """The two-consumer variant (export tag "smallh2")."""
     return compile_fwd_smallh(dtype, d_qk, d_v, lanes=2)
+
+
+def compile_fwd_smallh2_np32(dtype, d_qk: int, d_v: int = 512):
+    """Experimental "smallh2r": smallh2 with NP 32 on two consumers as well (setmaxnreg)."""
+    return compile_fwd_smallh(dtype, d_qk, d_v, lanes=2, np32_split_regs=True)
