@@ -46,12 +46,10 @@ BWD_VARIANTS = {
 # JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>; their GPU status is in docs/performance.md.
 # ws2c: ws2 with the two head blocks of a token in one 2-CTA cluster, each KV row gathered once
 # (H > 64; the FFI runs ws2 for H <= 64 when ws2c is forced): correct, 17 % slower at H = 128.
-# ws2i: ws2 with the producer loading indices a whole pair of blocks ahead: correct, no faster.
 # smallh2r: smallh2 with H 25..32 (NP 32, Dqk 512) on two consumers too, registers split by
 # setmaxnreg: not yet on a GPU.
 EXPERIMENTAL_FWD = {
     "ws2c": ("sparse_mla_fwd_ws2", "compile_fwd_ws2_pair"),
-    "ws2i": ("sparse_mla_fwd_ws2", "compile_fwd_ws2_idx_ahead"),
     "smallh2r": ("sparse_mla_fwd_smallh", "compile_fwd_smallh2_np32"),
 }
 # wgc: the wgmma backward with the two head blocks of a token (H in 65..128, Dqk 512) as one

@@ -18,20 +18,35 @@ LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
 
-def _v4_f32(op: str, ptr, vals, loc, ip):
-    addr = ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
-    vals = [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in vals]
+def _asm(text: str, constraints: str, operands, loc, ip):
+    """Inline PTX with side effects and no result."""
     llvm.inline_asm(
         None,
-        [addr] + vals,
-        op + " [$0], {$1, $2, $3, $4};",
-        "l,f,f,f,f",
+        operands,
+        text,
+        constraints,
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc,
         ip=ip,
     )
+
+
+def _ir(x, loc, ip):
+    """A pointer's address (toint), or an Int32 / Float32 value, as an MLIR value."""
+    if hasattr(x, "toint"):
+        return x.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
+    return x.ir_value(loc=loc, ip=ip)
+
+
+def _f32s(vals, loc, ip):
+    return [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in vals]
+
+
+def _v4_f32(op: str, ptr, vals, loc, ip):
+    _asm(op + " [$0], {$1, $2, $3, $4};", "l,f,f,f,f", [_ir(ptr, loc, ip)] + _f32s(vals, loc, ip),
+         loc, ip)
 
 
 @dsl_user_op
@@ -46,6 +61,13 @@ def st_global_v4_f32(ptr, a, b, c, d, *, loc=None, ip=None):
     _v4_f32("st.global.v4.f32", ptr, (a, b, c, d), loc, ip)
 
 
+# $0 = a local shared-memory address, $1 = a local mbarrier, $2 = the peer's cluster rank:
+# dst / bar = the same offsets in the peer CTA's shared memory.
+_MAPA_TO_PEER = ("{\n.reg .b32 dst, bar;\n"
+                 "mapa.shared::cluster.u32 dst, $0, $2;\n"
+                 "mapa.shared::cluster.u32 bar, $1, $2;\n")
+
+
 @dsl_user_op
 def copy_smem_to_peer(sptr, mbar, peer, nbytes: int, *, loc=None, ip=None):
     """cp.async.bulk.shared::cluster.shared::cta: copy nbytes of this CTA's shared memory at sptr
@@ -53,26 +75,10 @@ def copy_smem_to_peer(sptr, mbar, peer, nbytes: int, *, loc=None, ip=None):
     transactions on the peer's mbarrier at the offset of `mbar` (both located with mapa). sptr
     16-byte aligned, nbytes a multiple of 16 (PTX ISA, sm_90). Source reads are complete when
     the peer's mbarrier has seen the bytes."""
-    s = sptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
-    m = mbar.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
-    r = cutlass.Int32(peer).ir_value(loc=loc, ip=ip)
-    n = cutlass.Int32(nbytes).ir_value(loc=loc, ip=ip)
-    llvm.inline_asm(
-        None,
-        [s, m, r, n],
-        "{\n.reg .b32 dst, bar;\n"
-        "mapa.shared::cluster.u32 dst, $0, $2;\n"
-        "mapa.shared::cluster.u32 bar, $1, $2;\n"
-        "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes "
-        "[dst], [$0], $3, [bar];\n}",
-        "r,r,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-
+    _asm(_MAPA_TO_PEER + "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes "
+         "[dst], [$0], $3, [bar];\n}", "r,r,r,r",
+         [_ir(sptr, loc, ip), _ir(mbar, loc, ip), _ir(cutlass.Int32(peer), loc, ip),
+          _ir(cutlass.Int32(nbytes), loc, ip)], loc, ip)
 
 
 @dsl_user_op
@@ -81,25 +87,10 @@ def st_async_peer_v4_f32(sptr, mbar, peer, a, b, c, d, *, loc=None, ip=None):
     offset of sptr in the shared memory of cluster CTA `peer`, completing 16 bytes of
     transactions on the peer's mbarrier at the offset of `mbar` (both located with mapa; PTX
     ISA, sm_90). sptr 16-byte aligned."""
-    args = [sptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-            mbar.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-            cutlass.Int32(peer).ir_value(loc=loc, ip=ip)]
-    args += [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)]
-    llvm.inline_asm(
-        None,
-        args,
-        "{\n.reg .b32 dst, bar;\n"
-        "mapa.shared::cluster.u32 dst, $0, $2;\n"
-        "mapa.shared::cluster.u32 bar, $1, $2;\n"
-        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 "
-        "[dst], {$3, $4, $5, $6}, [bar];\n}",
-        "r,r,r,f,f,f,f",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+    _asm(_MAPA_TO_PEER + "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 "
+         "[dst], {$3, $4, $5, $6}, [bar];\n}", "r,r,r,f,f,f,f",
+         [_ir(sptr, loc, ip), _ir(mbar, loc, ip), _ir(cutlass.Int32(peer), loc, ip)]
+         + _f32s((a, b, c, d), loc, ip), loc, ip)
 
 
 def _rows(dtype, n_rows, n_cols, align=16):

@@ -6,12 +6,12 @@ against ws's 0.91, H = 128 1.70 ms (ws 1.71), K = 1152 2.81 ms (ws 2.80): short 
 kclk/block predicted below. ncu at H = 64: tensor pipe 44 % busy, L2 33 %, L1 49 %, issue slots
 37 %, nothing saturated; the gather is the suspect (see docs/performance.md).
 
-Two experimental flags (tools/build_kernels.py --experimental): pair_heads=True ("ws2c", H > 64:
+One experimental flag (tools/build_kernels.py --experimental): pair_heads=True ("ws2c", H > 64:
 the two head blocks of a token share each gathered row through a 2-CTA cluster, see
-_produce_pair; measured correct but 17 % slower at H = 128) and idx_ahead=True ("ws2i": the
-producer loads the next pair's indices a whole pair ahead; correct on the H200 and no faster:
-the index load was already hidden). Cycle figures below are per SM, at the H100/H200 dense bf16 rate of
-2048 FMA/clk and 128 B/clk of shared memory; "block" = 64 gathered KV rows x 64 heads.
+_produce_pair; measured correct but 17 % slower at H = 128). Loading the producer's indices a
+pair ahead ("ws2i") measured no faster and was removed (git history). Cycle figures below are
+per SM, at the H100/H200 dense bf16 rate of 2048 FMA/clk and 128 B/clk of shared memory;
+"block" = 64 gathered KV rows x 64 heads.
 
 Why not the FA3 intra-warpgroup pipeline on top of ws
 -----------------------------------------------------
@@ -107,13 +107,9 @@ GATHERED = 8  # pair_heads: + slot, this CTA's own rows of a fill have landed (4
 
 
 class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
-    def __init__(self, dtype, d_qk: int, d_v: int = 512, pair_heads: bool = False,
-                 idx_ahead: bool = False):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512, pair_heads: bool = False):
         super().__init__(dtype, d_qk, d_v)
         self.pair = pair_heads  # 2-CTA cluster over the two head blocks (see _produce_pair)
-        # idx_ahead: the producer loads pair m + 1's indices at the start of pair m (a whole
-        # pair of latency to hide, against "until the first empty wait" otherwise)
-        self.idx_ahead = idx_ahead
         self.bn_g = self.bn  # each owner scores all 64 keys of its block
         self.half_chunks = self.dv_g // 8  # 16-byte chunks of the L half (32)
         self.k_half = self.dv_g // 16  # k16 steps of Q K^T over the L half (16)
@@ -237,26 +233,14 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
         )
         cur0 = cute.make_rmem_tensor(npass, cutlass.Int32)
         cur1 = cute.make_rmem_tensor(npass, cutlass.Int32)
-        nxt0 = cute.make_rmem_tensor(npass, cutlass.Int32)
-        nxt1 = cute.make_rmem_tensor(npass, cutlass.Int32)
         n_pairs = (n_blocks + 1) // 2
-        if cutlass.const_expr(self.idx_ahead):
-            self._load_idx(mIdx, nxt0, 0, k_eff, idx_base, prow)
-            self._load_idx(mIdx, nxt1, 1, k_eff, idx_base, prow)
         for m in range(n_pairs):
             has1 = 2 * m + 1 < n_blocks
             ph = (m + 1) % 2  # parity of the previous pair's release
-            if cutlass.const_expr(self.idx_ahead):
-                for p in cutlass.range_constexpr(npass):
-                    cur0[p] = nxt0[p]
-                    cur1[p] = nxt1[p]
-                # the next pair's indices (-1 past the end: _load_idx masks j >= k_eff)
-                self._load_idx(mIdx, nxt0, 2 * m + 2, k_eff, idx_base, prow)
-                self._load_idx(mIdx, nxt1, 2 * m + 3, k_eff, idx_base, prow)
-            else:
-                # This pair's indices (their latency hides behind the first empty wait).
-                self._load_idx(mIdx, cur0, 2 * m, k_eff, idx_base, prow)
-                self._load_idx(mIdx, cur1, 2 * m + 1, k_eff, idx_base, prow)
+            # This pair's indices (their latency hides behind the first empty wait; loading
+            # them a pair ahead, candidate "ws2i", measured no faster: git history).
+            self._load_idx(mIdx, cur0, 2 * m, k_eff, idx_base, prow)
+            self._load_idx(mIdx, cur1, 2 * m + 1, k_eff, idx_base, prow)
             for q in range(4):
                 stage, is_r = self._fill_half(q)
                 if stage == 0 or has1:
@@ -797,8 +781,3 @@ def compile_fwd_ws2_pair(dtype, d_qk: int, d_v: int = 512):
     return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v, pair_heads=True),
                         *fwd_fake_args(dtype, d_qk, d_v))
 
-
-def compile_fwd_ws2_idx_ahead(dtype, d_qk: int, d_v: int = 512):
-    """The idx_ahead=True candidate (experimental tag "ws2i")."""
-    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v, idx_ahead=True),
-                        *fwd_fake_args(dtype, d_qk, d_v))
