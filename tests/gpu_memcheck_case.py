@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 import jax_dsa  # noqa: E402
 
 rng = np.random.default_rng(0)
-for h, d in ((3, 576), (17, 512), (100, 576)):
+for h, d in ((3, 576), (17, 512), (29, 512), (100, 576)):  # 29: NP 32, two consumers
   b, t, s, k = 2, 5, 37, 70
   q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16)
   kv = jnp.asarray(rng.standard_normal((b, s, d)), jnp.bfloat16)
@@ -34,7 +34,8 @@ for h, d in ((3, 576), (17, 512), (100, 576)):
 print("memcheck case done")
 
 # Backward through the kernels on the same kind of problem, atomic and deterministic.
-for h, d, det in ((100, 576, False), (17, 512, False), (100, 576, True), (3, 512, True)):
+for h, d, det in ((100, 576, False), (100, 512, False), (17, 512, False), (100, 576, True),
+                 (3, 512, True)):
   q = jnp.asarray(rng.standard_normal((2, 5, h, d)), jnp.bfloat16)
   kv = jnp.asarray(rng.standard_normal((2, 37, d)), jnp.bfloat16)
   idx = jnp.asarray(rng.integers(-40, 80, (2, 5, 70)).astype(np.int32))

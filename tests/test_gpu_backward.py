@@ -79,17 +79,19 @@ def test_backward_kernel_matches_oracle_and_reference(case):
   np.testing.assert_array_equal(np.asarray(got[0], np.float32)[0, 0], 0.0)  # dead row
 
 
+@pytest.mark.parametrize("h,d", [(24, 576), (100, 512)], ids=["H24D576", "H100D512"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_backward_never_writes_outside_valid_rows(deterministic, monkeypatch):
+def test_backward_never_writes_outside_valid_rows(deterministic, h, d, monkeypatch):
   """Batches 0 and 2 select nothing, batch 1 lists -1, -S, S, S + 7 next to valid rows: a write
   at an invalid row of batch 1 would land in batch 0's last or batch 2's first rows (flat
   layout), which must stay exactly zero; rows of batch 1 never listed must stay zero too.
-  Deterministic: a workspace of 4 tokens, so the 18 tokens run as 5 chunks."""
+  Deterministic: a workspace of 4 tokens, so the 18 tokens run as 5 chunks. H=100 at Dqk 512 is
+  the two-head-block case that `JAX_DSA_BWD_IMPL=wgc` runs as a 2-CTA cluster."""
   _kernel_or_skip(deterministic)
   from jax_dsa import _native
   monkeypatch.setattr(_native, "DET_WORKSPACE_BYTES", 4 * 70 * 576 * 4)
   rng = np.random.default_rng(5)
-  b, t, h, d, s, k = 3, 6, 24, 576, 40, 70
+  b, t, s, k = 3, 6, 40, 70
   p = make_problem(rng, b, t, h, d, s, k, sink=True, topk="full", dead_row=False)
   p.idx[1] = rng.integers(10, 30, (t, k))
   p.idx[1, :, ::3] = -1

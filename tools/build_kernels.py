@@ -46,14 +46,12 @@ BWD_VARIANTS = {
 # JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>; their GPU status is in docs/performance.md.
 # ws2c: ws2 with the two head blocks of a token in one 2-CTA cluster, each KV row gathered once
 # (H > 64; the FFI runs ws2 for H <= 64 when ws2c is forced): correct, 17 % slower at H = 128.
-# smallh2r: smallh2 with H 25..32 (NP 32, Dqk 512) on two consumers too, registers split by
-# setmaxnreg: not yet on a GPU.
 EXPERIMENTAL_FWD = {
     "ws2c": ("sparse_mla_fwd_ws2", "compile_fwd_ws2_pair"),
-    "smallh2r": ("sparse_mla_fwd_smallh", "compile_fwd_smallh2_np32"),
 }
 # wgc: the wgmma backward with the two head blocks of a token (H in 65..128, Dqk 512) as one
-# 2-CTA cluster that sums its dKV partials before the RED (one RED per entry): not yet on a GPU.
+# 2-CTA cluster that sums its dKV partials before the RED (one RED per entry): correct, but the
+# backward is 1.6x slower at H = 128 (docs/performance.md).
 EXPERIMENTAL_BWD = {
     "wgc": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma_pair"),
 }

@@ -128,6 +128,8 @@ def main():
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--max-heads", type=int, default=128, help="skip cases with more heads")
     ap.add_argument("--time-heads", default="64,128", help="head counts timed at D=512")
+    ap.add_argument("--time-ks", default="640",
+                    help="list lengths K timed for each timed head count (per-block vs fixed cost)")
     ap.add_argument("--only", default="", help="comma-separated case ids to run (default: all)")
     ap.add_argument("--skip", default="", help="comma-separated case ids to leave out")
     ap.add_argument("--impl", default="default",
@@ -172,6 +174,14 @@ def main():
                           sink_on=bool(j % 2), tl_mode="partial"))
     cases.append(dict(i=960, B=3, T=700, S=2000, H=16, D=576, K=130, invalid_frac=0.1,
                       tl_mode="partial"))
+    # NP 32 at Dqk 512 (H 25..32: smallh2's NP 32 two-consumer case), a long stream and K = 640.
+    cases.append(dict(i=961, B=3, T=700, S=2000, H=32, D=512, K=130, invalid_frac=0.1,
+                      tl_mode="partial", sink_on=True))
+    cases.append(dict(i=962, B=2, T=9, S=900, H=28, D=512, K=640, tl_mode="full"))
+    # Many tokens through the 64-head kernels (dead rows, invalid entries, odd block counts).
+    cases.append(dict(i=970, B=2, T=1100, S=2000, H=64, D=512, K=200, invalid_frac=0.1))
+    cases.append(dict(i=971, B=1, T=4200, S=3000, H=100, D=576, K=130, invalid_frac=0.1,
+                      sink_on=False))
     cases = [c for c in cases if c["H"] <= args.max_heads]
     if args.only:
         cases = [c for c in cases if str(c["i"]) in args.only.split(",")]
@@ -186,7 +196,8 @@ def main():
     if not args.skip_timing:
         heads = [int(h) for h in args.time_heads.split(",")]
         for H in heads:
-            time_case(1, 4096, 4096, H, 512, 640)
+            for K in (int(k) for k in args.time_ks.split(",")):
+                time_case(1, 4096, 4096, H, 512, K)
         if 128 in heads:
             time_case(1, 4096, 4096, 128, 512, 1152)
     sys.exit(0 if all(results) else 1)

@@ -13,13 +13,14 @@ NP (8, 16, 24 or 32) is chosen at run time from H: one kernel per NP lives in th
 host function launches the smallest that holds H. Heads h >= H are zero rows of Q (scores 0,
 finite), never stored.
 
-Two exports: "smallh2" (the default for H <= 32; lanes=2 for NP <= 24) and "smallh" (lanes=1).
+Two exports: "smallh2" (the default for H <= 32; lanes=2 for NP <= 24, and for NP 32 at Dqk 512
+with registers split by setmaxnreg) and "smallh" (lanes=1).
 With lanes=2 a CTA has two consumer warpgroups, each on alternate tokens of the CTA, fed by one
 producer from one slab ring (see _stream_pos for the order of the blocks). One consumer spends
 ~4.5 kclk per 64-key block, mostly latency (S^T -> softmax -> P^T -> P V in turn, ~1 kclk of
 shared-memory traffic); the second consumer's tokens fill that time. Measured on the H200
 (T = S = 4096, K = 640, D = 512, smoke timing): H = 16 487 us (one consumer 702), H = 8 411 us
-(610); benchmark 537 / 448 us.
+(610); benchmark 537 / 448 us; H = 32 (NP 32 on two consumers) 721 us (one consumer ~880).
 
 Why this structure (v2; v1, in git history, had all 256 threads gather into 2 x 64-row stages and
 measured 0.93 ms at H = 16: ~1 block of gather in flight per SM, the index load on the issue path,
@@ -704,8 +705,10 @@ class SparseMlaFwdSmallHSm90:
 
     lanes=2: two consumer warpgroups on alternate tokens for NP <= 24, where the ring still
     holds two blocks plus two slabs next to the second P^T tile (_SmallHKernel asserts it) and
-    a consumer fits in the 168 registers a thread of 384 gets (NP 32's O^T alone is 128 fp32
-    per thread: ptxas spills); NP 32 keeps one consumer."""
+    a consumer fits in the 168 registers a thread of 384 gets. np32_split_regs: NP 32 at Dqk 512
+    on two consumers as well, registers split by setmaxnreg (NP 32's O^T alone is 128 fp32 per
+    thread: at the plain 168 ptxas spills); at Dqk 576 the ring does not fit and NP 32 keeps one
+    consumer."""
 
     NPS = (8, 16, 24, 32)
 
@@ -715,8 +718,8 @@ class SparseMlaFwdSmallHSm90:
         self.variants = [_SmallHKernel(dtype, d_qk, d_v, n, lanes if n <= 24 else 1)
                          for n in nps]
         if np32_split_regs and lanes == 2 and 32 in nps and d_qk == 512:
-            # experimental "smallh2r": NP 32 with two consumers too (Dqk 512: the ring holds
-            # 2 nk + 2 slabs; at 576 it does not)
+            # NP 32 with two consumers too (Dqk 512: the ring holds 2 nk + 2 slabs; at 576 it
+            # does not)
             self.variants[nps.index(32)] = _SmallHKernel(dtype, d_qk, d_v, 32, 2,
                                                          split_regs=True)
         self.hi = list(nps)
@@ -759,10 +762,5 @@ def compile_fwd_smallh(dtype, d_qk: int, d_v: int = 512, nps=SparseMlaFwdSmallHS
 
 
 def compile_fwd_smallh2(dtype, d_qk: int, d_v: int = 512):
-    """The two-consumer variant (export tag "smallh2")."""
-    return compile_fwd_smallh(dtype, d_qk, d_v, lanes=2)
-
-
-def compile_fwd_smallh2_np32(dtype, d_qk: int, d_v: int = 512):
-    """Experimental "smallh2r": smallh2 with NP 32 on two consumers as well (setmaxnreg)."""
+    """The two-consumer variant (export tag "smallh2"; NP 32 on two consumers at Dqk 512)."""
     return compile_fwd_smallh(dtype, d_qk, d_v, lanes=2, np32_split_regs=True)
