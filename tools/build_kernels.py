@@ -49,12 +49,9 @@ BWD_VARIANTS = {
 EXPERIMENTAL_FWD = {
     "ws2c": ("sparse_mla_fwd_ws2", "compile_fwd_ws2_pair"),
 }
-# wgc: the wgmma backward with the two head blocks of a token (H in 65..128, Dqk 512) as one
-# 2-CTA cluster that sums its dKV partials before the RED (one RED per entry): correct, but the
-# backward is 1.6x slower at H = 128 (docs/performance.md).
-EXPERIMENTAL_BWD = {
-    "wgc": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma_pair"),
-}
+# (wgc, the backward with the two head blocks of a token summing their dKV partials in a 2-CTA
+# cluster, measured 1.65x slower and was removed: git history, docs/performance.md.)
+EXPERIMENTAL_BWD = {}
 # (dtype name, Dqk); one export per variant and spec.
 FWD_SPECS = [("bf16", 512), ("bf16", 576), ("f16", 512), ("f16", 576)]
 

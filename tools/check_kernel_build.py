@@ -45,7 +45,7 @@ import build_kernels  # noqa: E402  (the variant tables)
 # The tensor-core instruction each variant must contain (None: not a tensor-core kernel).
 TENSOR_OP = {"fwd:ws": "HGMMA", "fwd:ws2": "HGMMA", "fwd:ws2c": "HGMMA", "fwd:smallh": "HGMMA", "fwd:smallh2": "HGMMA",
              "fwd:simt": None,
-             "bwd:wg": "HGMMA", "bwd:wgc": "HGMMA", "bwd:": "HMMA", "reduce": None}
+             "bwd:wg": "HGMMA", "bwd:": "HMMA", "reduce": None}
 
 
 def log(msg):

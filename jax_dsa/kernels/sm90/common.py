@@ -81,18 +81,6 @@ def copy_smem_to_peer(sptr, mbar, peer, nbytes: int, *, loc=None, ip=None):
           _ir(cutlass.Int32(nbytes), loc, ip)], loc, ip)
 
 
-@dsl_user_op
-def st_async_peer_v4_f32(sptr, mbar, peer, a, b, c, d, *, loc=None, ip=None):
-    """st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32: store 16 bytes to the
-    offset of sptr in the shared memory of cluster CTA `peer`, completing 16 bytes of
-    transactions on the peer's mbarrier at the offset of `mbar` (both located with mapa; PTX
-    ISA, sm_90). sptr 16-byte aligned."""
-    _asm(_MAPA_TO_PEER + "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 "
-         "[dst], {$3, $4, $5, $6}, [bar];\n}", "r,r,r,f,f,f,f",
-         [_ir(sptr, loc, ip), _ir(mbar, loc, ip), _ir(cutlass.Int32(peer), loc, ip)]
-         + _f32s((a, b, c, d), loc, ip), loc, ip)
-
-
 def _rows(dtype, n_rows, n_cols, align=16):
     return make_fake_compact_tensor(dtype, (n_rows, n_cols), stride_order=(1, 0),
                                     assumed_align=align)

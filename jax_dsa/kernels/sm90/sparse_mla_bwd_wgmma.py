@@ -75,11 +75,10 @@ Scaling: bf16 folds scale into dS before rounding (dq and the dS^T Q term carry 
 dS unscaled (range) and stores P as c P~ / scale (<= Dqk**0.5, finite in fp16), so that the
 whole dKV accumulator, and dQ, are multiplied by scale in fp32 afterwards.
 
-Experimental pair_heads ("wgc", Dqk 512, atomic mode): with two head blocks the CTAs of a token
-form a 2-CTA cluster and add each other's dKV partials before the RED, one chunk owner each
-(_pair_chunk; sRecv 16 KB + 2 mbarriers: 224.5 KB of shared memory). Measured on the H200:
-correct, but the backward at H = 128 is 1.65-1.73x slower (the per-chunk hand-off chains both
-CTAs' slowest phases; docs/performance.md).
+(An experimental variant "wgc" ran the two head blocks of a token as a 2-CTA cluster that summed
+their dKV partials over DSMEM before one RED per entry: correct on the H200 but 1.65-1.73x slower
+at H = 128, because the per-chunk hand-off chains both CTAs' slowest phases. Removed; git history
+and docs/performance.md.)
 
 Heads h >= H: zero rows of Q / dO in smem (never read from global), p~ = 0 (lse = +inf), never
 stored. Dead rows (lse = -inf): all gradients 0. Invalid entries (j >= min(K, topk_length),
@@ -91,12 +90,10 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass._mlir.dialects import nvvm
 import cuda.bindings.driver as cuda
 
 from jax_dsa.kernels.sm90.common import (LOG2_E, bwd_fake_args, compile_options,
-                                         red_add_v4_f32, st_async_peer_v4_f32,
-                                         st_global_v4_f32)
+                                         red_add_v4_f32, st_global_v4_f32)
 
 
 
@@ -132,20 +129,13 @@ def _lines_per_row_transpose(v: list, lane):
 KV_FULL = 0
 DS_FULL = 1
 DS_EMPTY = 2
-RECV_FULL = 3  # pair_heads only: the peer's dKV chunk has landed in sRecv
-RECV_EMPTY = 4  # pair_heads only: the peer has consumed what we stored into its sRecv
 
 
 class SparseMlaBwdWgmmaSm90:
-    def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                 pair_heads: bool = False):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
-        # pair_heads (experimental "wgc"): at two head blocks the CTAs of a token form a 2-CTA
-        # cluster and sum their dKV partials before the RED (see _pair_chunk). Needs 16 KB of
-        # shared memory more, which only Dqk 512 has; not in deterministic mode.
-        self.pair = pair_heads and d_qk == 512 and not deterministic
         self.d_qk = d_qk
         self.d_v = d_v
         self.rope = d_qk - d_v  # 0 or 64
@@ -165,8 +155,6 @@ class SparseMlaBwdWgmmaSm90:
         self.io_tpr = self.threads // self.bm  # 4 threads per row for Q / dO / dQ copies
         self.n_ch = d_qk // 64  # dKV 64-column chunks (9 or 8)
         self.skip_heads = True  # issue only ceil(live heads / 16) dKV k-steps
-        # pair_heads: the kernel launched when there is one head block (H <= 64)
-        self._single = SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v) if self.pair else None
 
 
     # ---------------------------------------------------------------- host side
@@ -212,6 +200,8 @@ class SparseMlaBwdWgmmaSm90:
         sOh_layout = cute.tile_to_shape(o_atom, (self.bm, self.split_col), (0, 1))
         sOr_layout = cute.tile_to_shape(o_atom, (self.bm, 64), (0, 1))
 
+        SharedStorage = self._shared_storage(sQ_layout, sDO_layout, sKV_layout, sT_layout)
+
         K_ = warpgroup.OperandMajorMode.K
         MN_ = warpgroup.OperandMajorMode.MN
         F32 = cutlass.Float32
@@ -226,30 +216,20 @@ class SparseMlaBwdWgmmaSm90:
         dkv_mma = sm90_utils.make_trivial_tiled_mma(dt, dt, MN_, MN_, F32, (1, 1, 1), (64, 64))
 
         n_hb = (H + self.bm - 1) // self.bm
-        args = (
+        self.kernel(
             mQ, mKV, mIdx, mLen, mLse, mDO, mCoef, mDQ, mDKV, T, H, S, K, t_begin, n_hb,
             scale,
             k_atom.inner, sQ_layout.outer, sDO_layout.outer, sKV_layout.outer,
             sT_layout.outer, sKt_layout.outer, sTt_layout.outer,
             sO_layout, sOh_layout, sOr_layout,
-            sdp_mma, dq0_mma, dq1_mma, dqr_mma, dkv_mma,
+            sdp_mma, dq0_mma, dq1_mma, dqr_mma, dkv_mma, SharedStorage,
+        ).launch(
+            grid=[n_tok, n_hb, 1],
+            block=[self.threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            min_blocks_per_mp=1,
+            stream=stream,
         )
-        launch_kw = dict(grid=[n_tok, n_hb, 1], block=[self.threads, 1, 1], min_blocks_per_mp=1,
-                         stream=stream)
-        layouts = (sQ_layout, sDO_layout, sKV_layout, sT_layout)
-        if cutlass.const_expr(self.pair):
-            if n_hb == 2:  # the two head blocks of a token as one 2-CTA cluster
-                self._launch_kernel(args, layouts, launch_kw)
-            else:
-                self._single._launch_kernel(args, layouts, launch_kw)
-        else:
-            self._launch_kernel(args, layouts, launch_kw)
-
-    @cute.jit
-    def _launch_kernel(self, args, layouts, launch_kw):
-        storage = self._shared_storage(*layouts)
-        cluster = {"cluster": [1, 2, 1]} if self.pair else {}
-        self.kernel(*args, storage).launch(smem=storage.size_in_bytes(), **launch_kw, **cluster)
 
     # ---------------------------------------------------------------- helpers
     def _shared_storage(self, sQ_layout, sDO_layout, sKV_layout, sT_layout):
@@ -265,19 +245,7 @@ class SparseMlaBwdWgmmaSm90:
             sRow: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * self.bn], 16]
             mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 4], 8]
 
-        @cute.struct
-        class PairSharedStorage:  # SharedStorage + the peer's dKV chunk (pair_heads)
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
-            sDO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sDO_layout)], 1024]
-            sKV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sT_layout)], 1024]
-            sDS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sT_layout)], 1024]
-            sRow: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * self.bn], 16]
-            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 6], 8]
-            # 16-byte vector j of WG1 thread t's 32 accumulator values at (j * 128 + t) * 16 B
-            sRecv: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 128 * 32], 16]
-
-        return PairSharedStorage if self.pair else SharedStorage
+        return SharedStorage
 
     @staticmethod
     def _chunk(t: cute.Tensor, row, c) -> cute.Tensor:
@@ -405,9 +373,6 @@ class SparseMlaBwdWgmmaSm90:
             cute.arch.mbarrier_init(mbar + KV_FULL, 2 * self.threads)
             cute.arch.mbarrier_init(mbar + DS_FULL, 128)
             cute.arch.mbarrier_init(mbar + DS_EMPTY, 128)
-            if cutlass.const_expr(self.pair):
-                cute.arch.mbarrier_init(mbar + RECV_FULL, 1)  # + the peer's 16 KB of tx
-                cute.arch.mbarrier_init(mbar + RECV_EMPTY, 4)  # lane 0 of the peer's 4 warps
         cute.arch.mbarrier_init_fence()
 
         cp_atom = cute.make_copy_atom(
@@ -433,10 +398,6 @@ class SparseMlaBwdWgmmaSm90:
             for i in cutlass.range_constexpr(d_v // 8 // self.io_tpr):
                 self._chunk(sDO, crow, csub + self.io_tpr * i).fill(0)
         cute.arch.sync_threads()  # mbarrier inits visible before any arrive
-        if cutlass.const_expr(self.pair):
-            # ... including the peer's, which store into our sRecv and arrive on our barriers
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
 
         # ---- gather mapping: 8 threads per row, rows grow + 16 p ---------------------------
         grow = gtid // self.g_tpr
@@ -680,11 +641,7 @@ class SparseMlaBwdWgmmaSm90:
                     else:
                         self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 3)
                     warpgroup.wait_group(0)
-                    if cutlass.const_expr(self.pair):
-                        self._pair_chunk(acc, gtid, rows, g_bases, ch, blk, hb, out_scale, mDKV,
-                                         mbar, storage.sRecv.data_ptr())
-                    else:
-                        self._scatter(acc, gtid % 32, rows, g_bases, ch, out_scale, mDKV)
+                    self._scatter(acc, gtid % 32, rows, g_bases, ch, out_scale, mDKV)
                 # this block's P / dS tiles and sRow slot are free again
                 cute.arch.mbarrier_arrive(mbar + DS_EMPTY)
 
@@ -720,10 +677,6 @@ class SparseMlaBwdWgmmaSm90:
             for i in cutlass.range_constexpr(self.chunks // self.io_tpr):
                 c = csub + self.io_tpr * i
                 cute.copy(st_atom, self._chunk(sO, crow, c), self._chunk(mDQ, q_row, c))
-        if cutlass.const_expr(self.pair):
-            # no CTA leaves while its peer may still store into it or arrive on its barriers
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
 
     @cute.jit
     def _dkv_mma(self, dkv_mma: cute.TiledMma, acc: cute.Tensor, tKrDS: cute.Tensor,
@@ -738,45 +691,6 @@ class SparseMlaBwdWgmmaSm90:
             for k in cutlass.range_constexpr(nk):
                 cute.gemm(dkv_mma, acc, tKrP[None, None, k], tKrDO[None, None, k], acc)
         warpgroup.commit_group()
-
-    @cute.jit
-    def _pair_chunk(self, acc: cute.Tensor, gtid: cutlass.Int32, rows: list, g_bases: list,
-                    ch: cutlass.Int32, blk: cutlass.Int32, rank: cutlass.Int32,
-                    out_scale: cutlass.Float32, mDKV: cute.Tensor, mbar, recv_ptr):
-        """pair_heads: the two head-block CTAs of a token (cluster ranks 0 / 1) computed the same
-        64 x 64 dKV chunk over their own heads. Chunk ch belongs to rank ch % 2: the other CTA
-        stores its 32 accumulator values per thread into the owner's sRecv with st.async
-        (16 KB of tx on the owner's RECV_FULL), the owner adds them and issues the only RED of
-        the chunk, so every (token, entry) is added to dkv once instead of twice. Both CTAs
-        have the same thread -> element map, so the sum is elementwise in registers.
-        Exchange k = blk * n_ch / 2 + ch // 2 is the k-th use of the single sRecv buffer in
-        each direction: the owner's RECV_FULL phase k, the sender's RECV_EMPTY phase k (the
-        owner's 4 warps arrive remotely once their reads are in registers); the sender waits
-        for phase k - 1 before storing exchange k."""
-        k = blk * (self.n_ch // 2) + ch // 2
-        peer = 1 - rank
-        if ch % 2 == rank:
-            if gtid == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar + RECV_FULL, 128 * 32 * 4)
-            cute.arch.mbarrier_wait(mbar + RECV_FULL, k % 2)
-            sRecv = cute.make_tensor(recv_ptr, cute.make_layout(128 * 32))
-            for j in cutlass.range_constexpr(8):
-                for e in cutlass.range_constexpr(4):
-                    acc[4 * j + e] = acc[4 * j + e] + sRecv[(j * 128 + gtid) * 4 + e]
-            # Relaxed remote arrive: a release here is a MEMBAR.GPU that would wait for this
-            # thread's REDs of the previous chunk. The reads it must order are done: the adds
-            # above consumed them (in-order issue), and sync_warp covers the whole warp.
-            cute.arch.sync_warp()
-            if gtid % 32 == 0:
-                cute.arch.mbarrier_arrive(mbar + RECV_EMPTY, peer_cta_rank_in_cluster=peer,
-                                          relaxed=True, scope=nvvm.MemScopeKind.CLUSTER)
-            self._scatter(acc, gtid % 32, rows, g_bases, ch, out_scale, mDKV)
-        else:
-            if k >= 1:
-                cute.arch.mbarrier_wait(mbar + RECV_EMPTY, (k - 1) % 2)
-            for j in cutlass.range_constexpr(8):
-                st_async_peer_v4_f32(recv_ptr + (j * 128 + gtid) * 4, mbar + RECV_FULL, peer,
-                                     acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
 
     @cute.jit
     def _scatter(self, acc: cute.Tensor, lane: cutlass.Int32, rows: list, g_bases: list,
@@ -823,12 +737,4 @@ def compile_bwd_wgmma(dtype, d_qk: int, d_v: int = 512, deterministic: bool = Fa
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
     return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic),
-                        *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))
-
-
-def compile_bwd_wgmma_pair(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                           options: str | None = None):
-    """Experimental "wgc": pair_heads=True (Dqk 512, atomic mode, H in 65..128 run as 2-CTA
-    clusters; everything else launches the plain kernel)."""
-    return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, pair_heads=True),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))
