@@ -12,10 +12,12 @@ time from the same run as a ratio; writes DIR/benchmark.md and DIR/benchmark.png
 
 Timing: a jitted call is dispatched back to back and the device is synchronised once; the time
 per call of such a batch is recorded, and the median over `--batches` batches is reported, after
-warm-up. A batch has `--calls` calls, or more for short calls: enough for about
-`--batch-ms` milliseconds, so that the host's dispatch of the first call and the final
-synchronisation (~0.1-0.2 ms together) are not charged to a 0.5 ms kernel at 1/5 each. Inputs are random normal (never zeros); each token's list is its 128
-most recent rows (-1 before the start) followed by top-k distinct random rows of [0, S).
+warm-up. A batch has `--calls` calls, or more for short calls: enough for about `--batch-ms`
+milliseconds, so that the host's dispatch of the first call and the final synchronisation
+(~0.1-0.2 ms together) are not charged to a 0.5 ms kernel at 1/5 each.
+
+Inputs are random normal (never zeros); each token's list is its 128 most recent rows (-1 before
+the start) followed by top-k distinct random rows of [0, S).
 FLOPs: fwd = 2*B*T*H*K*(Dqk + d_v), K = valid entries; fwd+bwd = 3.5 x fwd (bwd = 2.5 x fwd).
 Bytes: gathered KV rows (K*Dqk per token) + q read + o written.
 """

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU validation, from the source tree with jax_dsa/_lib built:
 #
-#   bash tools/gpu_validate.sh [tests] [memcheck] [bench] [smoke] [profile]   (default: tests memcheck)
+#   bash tools/gpu_validate.sh [tests] [memcheck] [bench] [smoke] [profile] [hotlines]
+#                                                                (default: tests memcheck)
 #
 # Each step has its own time limit and writes its full log to $OUT (or /tmp/jax_dsa_gpu); the
 # summary lines are printed. JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL select kernel variants as usual,
@@ -47,6 +48,17 @@ for step in "${steps[@]}"; do
           python3 tools/profile_case.py "$1" "$2" 512 > "$out/profile_$1_h$2.log" 2>&1 || rc=$?
         echo "$1 H=$2: $(grep -E "^ +(Duration|L2 Cache Throughput|L1/TEX Cache Throughput|Compute \(SM\) Throughput|Issue Slots Busy)" \
           "$out/profile_$1_h$2.log" | awk '{$1=$1};1' | tr '\n' ';')"
+      done ;;
+    hotlines)  # ncu source counters: the SASS lines where the warps wait (tools/ncu_hot_lines.py)
+      rc=0
+      for c in "fwd 64 0 sparse_mla_fwd" "bwd 64 512 sparse_mla_bwd"; do
+        set -- $c
+        timeout 150 ncu --clock-control none --launch-skip 1 --launch-count 1 --kernel-name "regex:$4" \
+          --section SourceCounters --section WarpStateStats -o "$out/src_$1_h$2_k$3" -f \
+          python3 tools/profile_case.py "$1" "$2" "$3" > "$out/src_$1_h$2_k$3.log" 2>&1 || rc=$?
+        ncu --import "$out/src_$1_h$2_k$3.ncu-rep" --page source --csv --print-source sass \
+          > "$out/src_$1_h$2_k$3.csv" 2>/dev/null || rc=$?
+        python3 tools/ncu_hot_lines.py "$out/src_$1_h$2_k$3.csv" 20 | cut -c1-160
       done ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
