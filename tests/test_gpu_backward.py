@@ -85,8 +85,8 @@ def test_backward_never_writes_outside_valid_rows(deterministic, h, d, monkeypat
   """Batches 0 and 2 select nothing, batch 1 lists -1, -S, S, S + 7 next to valid rows: a write
   at an invalid row of batch 1 would land in batch 0's last or batch 2's first rows (flat
   layout), which must stay exactly zero; rows of batch 1 never listed must stay zero too.
-  Deterministic: a workspace of 4 tokens, so the 18 tokens run as 5 chunks. H=100 at Dqk 512:
-  two head blocks, each adding to the same rows."""
+  Deterministic: a workspace of 4 tokens at H=24, Dqk 576 (18 tokens in 5 chunks) and of 2 at
+  H=100, Dqk 512 (two head blocks, each adding to the same rows: 9 chunks)."""
   _kernel_or_skip(deterministic)
   from jax_dsa import _native
   monkeypatch.setattr(_native, "DET_WORKSPACE_BYTES", 4 * 70 * 576 * 4)
