@@ -93,8 +93,6 @@ const std::string& ForcedImpl() {
 std::string FwdTag(int64_t heads) {
   const std::string& forced = ForcedImpl();
   if (forced.empty() || forced == "default") return heads <= kSmallHeads ? "smallh2" : "ws2";
-  // ws2c pairs the two head blocks of a token in one cluster: only H > 64 has two.
-  if (forced == "ws2c" && heads <= 64) return "ws2";
   // smallh2 (two consumer warpgroups) is a small-H kernel: larger H keep ws2.
   if (forced == "smallh2" && heads > kSmallHeads) return "ws2";
   return forced;

@@ -43,14 +43,10 @@ BWD_VARIANTS = {
     "": ("sparse_mla_bwd", "compile_bwd"),
 }
 # Experimental variants (not defaults): built only with --experimental, selected with
-# JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>; their GPU status is in docs/performance.md.
-# ws2c: ws2 with the two head blocks of a token in one 2-CTA cluster, each KV row gathered once
-# (H > 64; the FFI runs ws2 for H <= 64 when ws2c is forced): correct, 17 % slower at H = 128.
-EXPERIMENTAL_FWD = {
-    "ws2c": ("sparse_mla_fwd_ws2", "compile_fwd_ws2_pair"),
-}
-# (wgc, the backward with the two head blocks of a token summing their dKV partials in a 2-CTA
-# cluster, measured 1.65x slower and was removed: git history, docs/performance.md.)
+# JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>; their GPU status goes in docs/performance.md. None
+# now: the last ones (ws2c and wgc, the two head blocks of a token as a 2-CTA cluster sharing
+# rows / summing dKV partials) measured slower and were removed (git history).
+EXPERIMENTAL_FWD = {}
 EXPERIMENTAL_BWD = {}
 # (dtype name, Dqk); one export per variant and spec.
 FWD_SPECS = [("bf16", 512), ("bf16", 576), ("f16", 512), ("f16", 576)]

@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 import build_kernels  # noqa: E402  (the variant tables)
 
 # The tensor-core instruction each variant must contain (None: not a tensor-core kernel).
-TENSOR_OP = {"fwd:ws": "HGMMA", "fwd:ws2": "HGMMA", "fwd:ws2c": "HGMMA", "fwd:smallh": "HGMMA", "fwd:smallh2": "HGMMA",
+TENSOR_OP = {"fwd:ws": "HGMMA", "fwd:ws2": "HGMMA", "fwd:smallh": "HGMMA", "fwd:smallh2": "HGMMA",
              "fwd:simt": None,
              "bwd:wg": "HGMMA", "bwd:": "HMMA", "reduce": None}
 

@@ -61,26 +61,6 @@ def st_global_v4_f32(ptr, a, b, c, d, *, loc=None, ip=None):
     _v4_f32("st.global.v4.f32", ptr, (a, b, c, d), loc, ip)
 
 
-# $0 = a local shared-memory address, $1 = a local mbarrier, $2 = the peer's cluster rank:
-# dst / bar = the same offsets in the peer CTA's shared memory.
-_MAPA_TO_PEER = ("{\n.reg .b32 dst, bar;\n"
-                 "mapa.shared::cluster.u32 dst, $0, $2;\n"
-                 "mapa.shared::cluster.u32 bar, $1, $2;\n")
-
-
-@dsl_user_op
-def copy_smem_to_peer(sptr, mbar, peer, nbytes: int, *, loc=None, ip=None):
-    """cp.async.bulk.shared::cluster.shared::cta: copy nbytes of this CTA's shared memory at sptr
-    to the same offset in the shared memory of cluster CTA `peer`, completing nbytes of
-    transactions on the peer's mbarrier at the offset of `mbar` (both located with mapa). sptr
-    16-byte aligned, nbytes a multiple of 16 (PTX ISA, sm_90). Source reads are complete when
-    the peer's mbarrier has seen the bytes."""
-    _asm(_MAPA_TO_PEER + "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes "
-         "[dst], [$0], $3, [bar];\n}", "r,r,r,r",
-         [_ir(sptr, loc, ip), _ir(mbar, loc, ip), _ir(cutlass.Int32(peer), loc, ip),
-          _ir(cutlass.Int32(nbytes), loc, ip)], loc, ip)
-
-
 def _rows(dtype, n_rows, n_cols, align=16):
     return make_fake_compact_tensor(dtype, (n_rows, n_cols), stride_order=(1, 0),
                                     assumed_align=align)

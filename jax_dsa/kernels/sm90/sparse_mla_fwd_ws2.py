@@ -6,10 +6,9 @@ against ws's 0.91, H = 128 1.70 ms (ws 1.71), K = 1152 2.81 ms (ws 2.80): short 
 kclk/block predicted below. ncu at H = 64: tensor pipe 44 % busy, L2 33 %, L1 49 %, issue slots
 37 %, nothing saturated; the gather is the suspect (see docs/performance.md).
 
-One experimental flag (tools/build_kernels.py --experimental): pair_heads=True ("ws2c", H > 64:
-the two head blocks of a token share each gathered row through a 2-CTA cluster, see
-_produce_pair; measured correct but 17 % slower at H = 128). Loading the producer's indices a
-pair ahead ("ws2i") measured no faster and was removed (git history). Cycle figures below are
+Measured and removed (git history, docs/performance.md): "ws2c" (the two head blocks of a token
+as a 2-CTA cluster sharing each gathered row over DSMEM: correct, 17 % slower at H = 128) and
+"ws2i" (indices loaded a pair ahead: no faster). Cycle figures below are
 per SM, at the H100/H200 dense bf16 rate of 2048 FMA/clk and 128 B/clk of shared memory;
 "block" = 64 gathered KV rows x 64 heads.
 
@@ -91,7 +90,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 import cuda.bindings.driver as cuda
 
-from jax_dsa.kernels.sm90.common import LOG2_E, copy_smem_to_peer, fwd_fake_args
+from jax_dsa.kernels.sm90.common import LOG2_E, fwd_fake_args
 from jax_dsa.kernels.sm90.sparse_mla_fwd_ws import SparseMlaFwdWsSm90
 
 CONSUMER_BAR = 1  # both consumer groups (Q ready, epilogue)
@@ -103,13 +102,11 @@ BAR_P1 = 5  # WG1's P tile in shared memory
 # mbarrier slots
 FULL_0L, FULL_0R, FULL_1L, FULL_1R = 0, 1, 2, 3
 EMPTY_0L, EMPTY_0R, EMPTY_1L, EMPTY_1R = 4, 5, 6, 7
-GATHERED = 8  # pair_heads: + slot, this CTA's own rows of a fill have landed (4 slots)
 
 
 class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
-    def __init__(self, dtype, d_qk: int, d_v: int = 512, pair_heads: bool = False):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512):
         super().__init__(dtype, d_qk, d_v)
-        self.pair = pair_heads  # 2-CTA cluster over the two head blocks (see _produce_pair)
         self.bn_g = self.bn  # each owner scores all 64 keys of its block
         self.half_chunks = self.dv_g // 8  # 16-byte chunks of the L half (32)
         self.k_half = self.dv_g // 16  # k16 steps of Q K^T over the L half (16)
@@ -140,7 +137,6 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
             self._smem_layouts())
         # P tiles: Dqk 576 -> P0 in stage 0's rope columns, only P1 here; Dqk 512 -> both.
         p_elems = cute.cosize(sP_layout) * (1 if self.p_in_rope else 2)
-        n_mbar = 12 if self.pair else 8
 
         @cute.struct
         class SharedStorage:
@@ -152,7 +148,7 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
             sValid: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * self.bn], 16]
             sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * self.bm], 16]
             sM: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * self.bm], 16]
-            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, n_mbar], 8]
+            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 8], 8]
 
         qk_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
@@ -172,24 +168,13 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
             k_atom.inner, sQ_layout.outer, sKV_layout.outer, sVt_layout.outer, sP_layout.outer,
             sO_layout, sOg_layout, qk_mma, pv_rs, pv_ss, SharedStorage,
         )
-        if cutlass.const_expr(self.pair):
-            # always two head blocks (the second has no heads when H <= 64), one cluster
-            kernel.launch(
-                grid=[T, 2, B],
-                block=[self.threads, 1, 1],
-                cluster=[1, 2, 1],
-                smem=SharedStorage.size_in_bytes(),
-                min_blocks_per_mp=1,
-                stream=stream,
-            )
-        else:
-            kernel.launch(
-                grid=[T, n_head_blocks, B],
-                block=[self.threads, 1, 1],
-                smem=SharedStorage.size_in_bytes(),
-                min_blocks_per_mp=1,
-                stream=stream,
-            )
+        kernel.launch(
+            grid=[T, n_head_blocks, B],
+            block=[self.threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
 
     # ------------------------------------------------------------------ producer
     @cute.jit
@@ -248,8 +233,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                     if m > 0:
                         cute.arch.mbarrier_wait(mbar + 4 + slot, ph)
                     sKs = self._stage(kv_sw, sKV_layout, stage)
-                    self._fill_rows(mKV, sKs, sValid, cp_atom, cur0, cur1, None, None, stage, q,
-                                    prow, self.p_rows, 0, npass, S, kv_batch, psub, is_r * hc,
+                    self._fill_rows(mKV, sKs, sValid, cp_atom, cur0, cur1, stage, q,
+                                    prow, self.p_rows, npass, S, kv_batch, psub, is_r * hc,
                                     n_l + is_r * (n_r - n_l), n_min, n_max)
                     cute.arch.cp_async_mbarrier_arrive_noinc(mbar + slot)
                     cute.arch.mbarrier_arrive(mbar + slot)
@@ -258,14 +243,14 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
 
     @cute.jit
     def _fill_rows(self, mKV: cute.Tensor, sKs: cute.Tensor, sValid: cute.Tensor, cp_atom,
-                   idx0: cute.Tensor, idx1: cute.Tensor, peer0_idx, peer1_idx, stage, q,
-                   r0, r_step: cutlass.Constexpr, peer_r0, npass: cutlass.Constexpr,
+                   idx0: cute.Tensor, idx1: cute.Tensor, stage, q,
+                   r0, r_step: cutlass.Constexpr, npass: cutlass.Constexpr,
                    S: cutlass.Int32, kv_batch: cutlass.Int64, psub: cutlass.Int32, c_lo, n_c,
                    n_min: cutlass.Constexpr, n_max: cutlass.Constexpr):
         """One fill of this thread's rows r0 + r_step p of a stage (indices idx<stage>[p]):
         16-byte cp.async of chunks c_lo + psub + 8 i (i < n_c) of valid rows, zeros for invalid
         ones; with the first fill of a stage (q < 2) lane psub 0 also writes the rows' validity
-        flags (and, in pair_heads mode, those of the peer's rows peer_r0 + r_step p)."""
+        flags."""
         for p in cutlass.range_constexpr(npass):
             r = r0 + r_step * p
             row = idx1[p]
@@ -276,14 +261,6 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                 sValid[stage * self.bn + r] = (
                     cutlass.Int32(1) if ok else cutlass.Int32(0)
                 )
-                if cutlass.const_expr(peer0_idx is not None):
-                    peer_row = peer1_idx[p]
-                    if stage == 0:
-                        peer_row = peer0_idx[p]
-                    peer_ok = peer_row >= 0 and peer_row < S
-                    sValid[stage * self.bn + peer_r0 + r_step * p] = (
-                        cutlass.Int32(1) if peer_ok else cutlass.Int32(0)
-                    )
             if ok:
                 g_row = kv_batch + cutlass.Int64(row)
                 for i in cutlass.range_constexpr(n_max):
@@ -299,112 +276,6 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                         self._chunk(sKs, r, c_lo + psub + self.p_tpr * i).fill(0)
                     elif i < n_c:
                         self._chunk(sKs, r, c_lo + psub + self.p_tpr * i).fill(0)
-
-    # ------------------------------------------------------------------ pair_heads mode
-    # H in 65..128: the two head blocks of a token run as one 2-CTA cluster and gather each KV
-    # row once. CTA r (= head block r) gathers rows [32 r, 32 r + 32) of every fill into its own
-    # stage (threads 0-63: 8 per row, 4 passes) and arrives on GATHERED; thread 64 waits for
-    # that, arrives on its own FULL with expect_tx of the peer's bytes, and copies the rows to
-    # the same offset in the peer's stage (cp.async.bulk shared::cta -> shared::cluster, 4 KB
-    # per 64-column block: rows 32 r..32 r + 31 of a 128 B-swizzled K-major column block are
-    # 4 whole 1 KB swizzle atoms, so the bytes move verbatim), completing on the peer's FULL.
-    # EMPTY counts both CTAs' consumer group (local + remote arrive): a stage half is refilled,
-    # here and by the peer's copy, only when both have released it. Validity flags for all 64
-    # rows are computed by each CTA from the indices.
-    @cute.jit
-    def _release(self, empty_bar, hb):
-        cute.arch.mbarrier_arrive(empty_bar)
-        if cutlass.const_expr(self.pair):
-            # default (CTA) scope, as CUTLASS's multicast-TMA consumer release: the peer's
-            # writes into this stage are async-proxy bulk copies ordered by the mbarriers;
-            # scope=CLUSTER would put a MEMBAR.ALL.GPU in every consumer release
-            cute.arch.mbarrier_arrive(empty_bar, 1 - hb)
-
-    @cute.jit
-    def _load_idx_rows(self, mIdx: cute.Tensor, dst: cute.Tensor, blk, k_eff: cutlass.Int32,
-                       idx_base: cutlass.Int64, row0: cutlass.Int32):
-        for p in cutlass.range_constexpr(4):
-            j = blk * self.bn + row0 + 8 * p
-            v = cutlass.Int32(-1)
-            if j < k_eff:
-                v = mIdx[idx_base + cutlass.Int64(j)]
-            dst[p] = v
-
-    @cute.jit
-    def _produce_pair(self, mKV: cute.Tensor, mIdx: cute.Tensor, sValid: cute.Tensor, kv_sw,
-                      sKV_layout: cute.Layout, mbar, n_blocks: cutlass.Int32,
-                      k_eff: cutlass.Int32, S: cutlass.Int32, idx_base: cutlass.Int64,
-                      kv_batch: cutlass.Int64, ptid: cutlass.Int32, hb: cutlass.Int32):
-        """Threads 0-63: this CTA's 32 rows of every fill (order 0L, 1R, 0R, 1L as _produce)."""
-        psub = ptid % self.p_tpr
-        prow = ptid // self.p_tpr  # 0..7
-        own0 = 32 * hb + prow
-        peer0 = 32 * (1 - hb) + prow
-        hc = self.half_chunks
-        n_l = hc // self.p_tpr
-        n_r = (self.chunks - hc) // self.p_tpr
-        n_min = min(n_l, n_r)
-        n_max = max(n_l, n_r)
-        cp_atom = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-            self.dtype,
-            num_bits_per_copy=128,
-        )
-        own_0 = cute.make_rmem_tensor(4, cutlass.Int32)
-        own_1 = cute.make_rmem_tensor(4, cutlass.Int32)
-        peer_0 = cute.make_rmem_tensor(4, cutlass.Int32)
-        peer_1 = cute.make_rmem_tensor(4, cutlass.Int32)
-        n_pairs = (n_blocks + 1) // 2
-        for m in range(n_pairs):
-            has1 = 2 * m + 1 < n_blocks
-            ph = (m + 1) % 2
-            self._load_idx_rows(mIdx, own_0, 2 * m, k_eff, idx_base, own0)
-            self._load_idx_rows(mIdx, own_1, 2 * m + 1, k_eff, idx_base, own0)
-            self._load_idx_rows(mIdx, peer_0, 2 * m, k_eff, idx_base, peer0)
-            self._load_idx_rows(mIdx, peer_1, 2 * m + 1, k_eff, idx_base, peer0)
-            for q in range(4):
-                stage, is_r = self._fill_half(q)
-                if stage == 0 or has1:
-                    slot = 2 * stage + is_r
-                    if m > 0:
-                        cute.arch.mbarrier_wait(mbar + 4 + slot, ph)
-                    sKs = self._stage(kv_sw, sKV_layout, stage)
-                    self._fill_rows(mKV, sKs, sValid, cp_atom, own_0, own_1, peer_0, peer_1,
-                                    stage, q, own0, 8, peer0, 4, S, kv_batch, psub, is_r * hc,
-                                    n_l + is_r * (n_r - n_l), n_min, n_max)
-                    # zero fills (generic proxy) are read by the bulk copy (async proxy)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.cp_async_mbarrier_arrive_noinc(mbar + GATHERED + slot)
-                    cute.arch.mbarrier_arrive(mbar + GATHERED + slot)
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)
-
-    @cute.jit
-    def _forward_pair(self, kv_raw, mbar, n_blocks: cutlass.Int32, hb: cutlass.Int32,
-                      stage_elems: cutlass.Constexpr):
-        """Thread 64: after each fill's own rows landed, publish them to this CTA's consumers
-        (arrive + expect the peer's bytes) and copy them into the peer's stage."""
-        hc = self.half_chunks
-        n_cb_l = hc // 8  # 64-column blocks of the L half (4)
-        n_cb_r = (self.chunks - hc) // 8  # ... of the R half (4, or 5 at Dqk 576)
-        cb_elems = self.bn * 64  # one 64-column block of a stage (8 KB)
-        half_elems = cb_elems // 2  # its 32 rows of one CTA (4 KB)
-        n_pairs = (n_blocks + 1) // 2
-        for m in range(n_pairs):
-            has1 = 2 * m + 1 < n_blocks
-            for q in range(4):
-                stage, is_r = self._fill_half(q)
-                if stage == 0 or has1:
-                    slot = 2 * stage + is_r
-                    n_cb = n_cb_l + is_r * (n_cb_r - n_cb_l)
-                    cute.arch.mbarrier_wait(mbar + GATHERED + slot, m % 2)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar + slot, n_cb * half_elems * 2)
-                    base = stage * stage_elems + is_r * (n_cb_l * cb_elems) + hb * half_elems
-                    for i in cutlass.range_constexpr(max(n_cb_l, n_cb_r)):
-                        if i < n_cb:
-                            copy_smem_to_peer(kv_raw + (base + i * cb_elems), mbar + slot,
-                                              1 - hb, half_elems * 2)
 
     # ------------------------------------------------------------------ consumer pieces
     @cute.jit
@@ -490,41 +361,18 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
         kv_batch = cutlass.Int64(b) * cutlass.Int64(S)
 
         if tidx == 0:
-            if cutlass.const_expr(self.pair):
-                for i in cutlass.range_constexpr(4):
-                    # full: the forwarder's arrive.expect_tx + the peer's bytes
-                    cute.arch.mbarrier_init(mbar + i, 1)
-                for i in cutlass.range_constexpr(4):
-                    cute.arch.mbarrier_init(mbar + 4 + i, 256)  # empty: both CTAs' group
-                for i in cutlass.range_constexpr(4):
-                    # gathered: 64 cp.async + 64 plain arrivals of the gather threads
-                    cute.arch.mbarrier_init(mbar + GATHERED + i, 128)
-            else:
-                for i in cutlass.range_constexpr(4):
-                    cute.arch.mbarrier_init(mbar + i, 256)  # full: 128 cp.async + 128 plain
-                for i in cutlass.range_constexpr(4):
-                    cute.arch.mbarrier_init(mbar + 4 + i, 128)  # empty: one consumer group
+            for i in cutlass.range_constexpr(4):
+                cute.arch.mbarrier_init(mbar + i, 256)  # full: 128 cp.async + 128 plain
+            for i in cutlass.range_constexpr(4):
+                cute.arch.mbarrier_init(mbar + 4 + i, 128)  # empty: one consumer group
         cute.arch.mbarrier_init_fence()
-        if cutlass.const_expr(self.pair):
-            # the peer's barriers are initialised before anything of ours reaches them
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-        else:
-            cute.arch.sync_threads()
+        cute.arch.sync_threads()
 
         if wg == 0:
             # ================================ producer =================================
             cute.arch.setmaxregister_decrease(self.prod_regs)
-            if cutlass.const_expr(self.pair):
-                if tidx < 64:
-                    self._produce_pair(mKV, mIdx, sValid, kv_sw, sKV_layout, mbar, n_blocks,
-                                       k_eff, S, idx_base, kv_batch, tidx, hb)
-                elif tidx == 64:
-                    self._forward_pair(storage.sKV.data_ptr(), mbar, n_blocks, hb,
-                                       cute.cosize(sKV_layout))
-            else:
-                self._produce(mKV, mIdx, sValid, kv_sw, sKV_layout, mbar, n_blocks, k_eff, S,
-                              idx_base, kv_batch, tidx)
+            self._produce(mKV, mIdx, sValid, kv_sw, sKV_layout, mbar, n_blocks, k_eff, S,
+                          idx_base, kv_batch, tidx)
         else:
             # ================================ consumers ================================
             cute.arch.setmaxregister_increase(self.cons_regs)
@@ -655,7 +503,7 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                         mx[r] = 0.0 if mo == -cutlass.Float32.inf else f
                         row_max[r] = m1
                     warpgroup.wait_group(0)
-                    self._release(mbar + EMPTY_0L, hb)
+                    cute.arch.mbarrier_arrive(mbar + EMPTY_0L)
                     # P0' = P0 * f for WG1 (from the fp32 values), then O_0 *= f.
                     for r in cutlass.range_constexpr(n_rows):
                         S_mn[r, None] = S_mn[r, None].load() * mx[r]
@@ -685,7 +533,7 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                             cute.gemm(qk_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
                         warpgroup.commit_group()
                         warpgroup.wait_group(1)
-                        self._release(mbar + EMPTY_1L, hb)  # m + 1 < n_pairs: has1
+                        cute.arch.mbarrier_arrive(mbar + EMPTY_1L)  # m + 1 < n_pairs: has1
                         cute.arch.mbarrier_wait(mbar + FULL_0R, ph)
                         cute.arch.fence_proxy("async.shared", space="cta")
                         warpgroup.fence()
@@ -756,28 +604,18 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                     warpgroup.commit_group()
                     if has1:
                         warpgroup.wait_group(1)
-                        self._release(mbar + EMPTY_1R, hb)
+                        cute.arch.mbarrier_arrive(mbar + EMPTY_1R)
                     warpgroup.wait_group(0)
-                    self._release(mbar + EMPTY_0R, hb)
+                    cute.arch.mbarrier_arrive(mbar + EMPTY_0R)
 
             # ---- epilogue (both groups end with the same running max) -------------------
             # (its consumer barrier also orders every wgmma / P tile / Q read of both groups
             # before the O staging)
             self._epilogue(acc_O, row_sum, row_max, tScS, sRed, mSink, mLse, mO, q_base,
                            sO_layout, sOg_layout, pv_rs, bt, h0, H, cg, gtid, crow, csub, q_ok)
-        if cutlass.const_expr(self.pair):
-            # no CTA leaves while its peer may still copy into it or arrive on its barriers
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
 
 
 def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512):
     """Compile with shape-only tensors (common.fwd_fake_args)."""
     return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v), *fwd_fake_args(dtype, d_qk, d_v))
-
-
-def compile_fwd_ws2_pair(dtype, d_qk: int, d_v: int = 512):
-    """The pair_heads=True candidate (experimental tag "ws2c"; H in 65..128)."""
-    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v, pair_heads=True),
-                        *fwd_fake_args(dtype, d_qk, d_v))
 
