@@ -15,6 +15,7 @@ nvidia-cutlass-dsl is a build-time dependency only.
 """
 
 import argparse
+import functools
 import glob
 import os
 import subprocess
@@ -42,6 +43,8 @@ BWD_VARIANTS = {
     "wg": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma"),
     "": ("sparse_mla_bwd", "compile_bwd"),
 }
+# Entries are (module, compile function[, its keyword arguments]), so a tuning candidate can be
+# the same kernel with another parameter (e.g. {"wg0_chunks": 2}).
 # Experimental variants (not defaults): built only with --experimental, selected with
 # JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>; their GPU status goes in docs/performance.md. None
 # now: the last ones (ws2c and wgc, the two head blocks of a token as a 2-CTA cluster sharing
@@ -99,16 +102,16 @@ def _variants(stable, experimental, use_experimental):
     """(tag, compile function) pairs; experimental modules that do not exist are skipped."""
     import importlib
 
-    out = []
-    for tag, (mod_name, fn_name) in stable.items():
-        out.append((tag, getattr(importlib.import_module(f"jax_dsa.kernels.sm90.{mod_name}"),
-                                 fn_name)))
-    for tag, (mod_name, fn_name) in (experimental.items() if use_experimental else ()):
-        if not os.path.isfile(os.path.join(ROOT, "jax_dsa", "kernels", "sm90", mod_name + ".py")):
-            log(f"experimental {mod_name} not present: skipped")
+    def compile_fn(mod_name, fn_name, kwargs=None):
+        fn = getattr(importlib.import_module(f"jax_dsa.kernels.sm90.{mod_name}"), fn_name)
+        return functools.partial(fn, **kwargs) if kwargs else fn
+
+    out = [(tag, compile_fn(*entry)) for tag, entry in stable.items()]
+    for tag, entry in (experimental.items() if use_experimental else ()):
+        if not os.path.isfile(os.path.join(ROOT, "jax_dsa", "kernels", "sm90", entry[0] + ".py")):
+            log(f"experimental {entry[0]} not present: skipped")
             continue
-        out.append((tag, getattr(importlib.import_module(f"jax_dsa.kernels.sm90.{mod_name}"),
-                                 fn_name)))
+        out.append((tag, compile_fn(*entry)))
     return out
 
 

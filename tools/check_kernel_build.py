@@ -28,6 +28,7 @@ cuobjdump / nvdisasm are looked up on PATH, in CUDA_HOME/bin and in /tmp/cudatoo
 
 import argparse
 import collections
+import functools
 import glob
 import os
 import re
@@ -110,8 +111,10 @@ def jobs(variants, experimental):
         if kind not in tables or tag not in tables[kind]:
             raise SystemExit(f"unknown variant {v!r}; known: "
                              + ", ".join(f"{k}:{t}" for k in tables for t in tables[k]))
-        mod_name, fn_name = tables[kind][tag]
+        mod_name, fn_name, *kwargs = tables[kind][tag]
         fn = getattr(importlib.import_module(f"jax_dsa.kernels.sm90.{mod_name}"), fn_name)
+        if kwargs:
+            fn = functools.partial(fn, **kwargs[0])
         for dname, d in build_kernels.FWD_SPECS:
             if kind == "fwd":
                 out.append((v, f"jax_dsa_fwd{tag}_{dname}_d{d}",

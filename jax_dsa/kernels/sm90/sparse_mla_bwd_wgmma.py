@@ -18,11 +18,14 @@ min_blocks_per_mp=1, so each thread may use up to 255 registers):
       writes the 16-bit P (= c P~) and dS tiles (64 heads x 64 rows) to smem, arrives ds_full
       dQ[:, 0:256] += dS K[:, 0:256]   wgmma 64x256x16 with dS as the REGISTER A operand
       gathers columns [0, 256) of block n + 1 (16-byte cp.async; 8 threads per row)
+      dKV chunks ch < wg0_chunks (3) of block n, as WG1 does below (_dkv_block): WG0 had
+      slack (it waited ~44 % of its time for WG1 before this split, ncu v6)
   WG1 ("dKV" group) per block n:
       waits ds_full(n) and kv_full(n)
       dQ[:, 256:Dqk] += dS K[:, 256:Dqk]   wgmma 64x256x16 (+ 64x64x16 for the rope), SS
       gathers columns [256, Dqk) of block n + 1
-      dKV_n[:, 64ch:64ch+64] = dS^T Q_ch (+ P^T dO_ch for ch < 8), wgmma 64x64x16 with both
+      dKV_n[:, 64ch:64ch+64] = dS^T Q_ch (+ P^T dO_ch for ch < 8) for the remaining chunks
+          ch >= wg0_chunks, wgmma 64x64x16 with both
           operands MN-major views of the same smem tiles (M = KV rows, K = heads), only
           ceil(live_heads / 16) k-steps issued: padded heads cost no MMA here;
           then the values are transposed inside the warp (three butterfly exchanges, _scatter)
@@ -132,7 +135,8 @@ DS_EMPTY = 2
 
 
 class SparseMlaBwdWgmmaSm90:
-    def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
+                 wg0_chunks: int = 3):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -155,6 +159,13 @@ class SparseMlaBwdWgmmaSm90:
         self.io_tpr = self.threads // self.bm  # 4 threads per row for Q / dO / dQ copies
         self.n_ch = d_qk // 64  # dKV 64-column chunks (9 or 8)
         self.skip_heads = True  # issue only ceil(live heads / 16) dKV k-steps
+        # dKV chunks [0, wg0_chunks) are computed by WG0 (after its dQ half and gather), the
+        # rest by WG1. With all of them in WG1 (v6), WG1 was the critical path and WG0 waited
+        # ~44 % of its time (ncu). Measured at Dqk 512 (H200, backward of the benchmark):
+        # 1 / 2 / 3 / 4 / 5 chunks in WG0 -> H=64 2.92 / 2.85 / 2.73-2.78 / 2.82 / 2.79 ms
+        # against 2.98 with none; 3 is the default (Dqk 576 not tuned separately).
+        assert 0 <= wg0_chunks < self.n_ch
+        self.wg0_chunks = wg0_chunks
 
 
     # ---------------------------------------------------------------- host side
@@ -467,6 +478,8 @@ class SparseMlaBwdWgmmaSm90:
                     row_c[r] = cc * scale
                     row_d[r] = dd * scale
             scale_log2 = scale * LOG2_E
+            if cutlass.const_expr(self.wg0_chunks > 0):
+                dkv_mma.set(warpgroup.Field.ACCUMULATE, True)
             r2s = cute.make_tiled_copy_C(
                 cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), sdp_mma
             ).get_slice(gtid)
@@ -531,6 +544,13 @@ class SparseMlaBwdWgmmaSm90:
                     cute.arch.cp_async_mbarrier_arrive_noinc(mbar + KV_FULL)
                     cute.arch.mbarrier_arrive(mbar + KV_FULL)
 
+                # dKV chunks [0, wg0_chunks) of this block (its own P / dS tiles: the next
+                # block's are written only after this, in program order)
+                if cutlass.const_expr(self.wg0_chunks > 0):
+                    self._dkv_block(dkv_mma, gtid, ds_sw, p_sw, q_sw, do_sw, sTt_layout, sRow,
+                                    slot, blk, bt32, t_begin, K, kv_batch, hb, n_hb, kh, scale,
+                                    mDKV, 0, self.wg0_chunks)
+
             # dQ staging (after the final CTA barrier below)
             cute.arch.sync_threads()
             if cutlass.const_expr(not self.fold_scale):
@@ -546,7 +566,6 @@ class SparseMlaBwdWgmmaSm90:
             # ===================================== WG1 =====================================
             thr_dq = dq1_mma.get_slice(gtid)
             thr_dqr = dqr_mma.get_slice(gtid)
-            thr_kv = dkv_mma.get_slice(gtid)
             tQrDS = thr_dq.make_fragment_A(thr_dq.partition_A(sDS))
             sKt1 = cute.make_tensor(kv_sw + cute.assume(bn * self.split_col, divby=512),
                                     sKt_layout)
@@ -562,20 +581,6 @@ class SparseMlaBwdWgmmaSm90:
                 tRrK = thr_dqr.make_fragment_B(thr_dqr.partition_B(sKtr))
                 acc_dQr = thr_dqr.make_fragment_C(thr_dqr.partition_shape_C((bm, 64)))
                 acc_dQr.fill(0.0)
-            # dKV operands: A = dS^T / P^T (M = KV rows, K = heads), B = Q / dO column chunks
-            # (N = 64 columns, K = heads); all MN-major views of K-major tiles.
-            sDSt = cute.make_tensor(ds_sw, sTt_layout)
-            sPt = cute.make_tensor(p_sw, sTt_layout)
-            tKrDS = thr_kv.make_fragment_A(thr_kv.partition_A(sDSt))
-            tKrP = thr_kv.make_fragment_A(thr_kv.partition_A(sPt))
-            acc_kv_shape = thr_kv.partition_shape_C((bn, 64))
-            # after _scatter's lane transpose, lane l of warp w adds to block rows
-            # 16 w + 2 (l // 8) + {0, 1} + {0, 8} (see _scatter)
-            kr_base = (gtid // 32) * 16 + 2 * ((gtid % 32) // 8)
-            out_scale = cutlass.Float32(1.0)
-            if cutlass.const_expr(not self.fold_scale):
-                out_scale = scale
-            tok_row0 = cutlass.Int64(bt32 - t_begin) * cutlass.Int64(K)
             dq1_mma.set(warpgroup.Field.ACCUMULATE, True)
             dqr_mma.set(warpgroup.Field.ACCUMULATE, True)
             dkv_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -606,42 +611,10 @@ class SparseMlaBwdWgmmaSm90:
                     cute.arch.cp_async_mbarrier_arrive_noinc(mbar + KV_FULL)
                     cute.arch.mbarrier_arrive(mbar + KV_FULL)
 
-                # dKV for this block, 64 columns at a time
-                # this thread's 4 rows (r = kr_base + q0 + 8 rho, in order (rho, q0)): the
-                # gathered row (-1: invalid entry, nothing is added) and its dkv offset
-                rows = []
-                g_bases = []
-                for i in cutlass.range_constexpr(4):
-                    kr = kr_base + (i % 2) + 8 * (i // 2)
-                    row = sRow[slot * bn + kr]
-                    if cutlass.const_expr(self.deterministic):
-                        g_bases.append(((tok_row0 + cutlass.Int64(blk * bn + kr))
-                                        * cutlass.Int64(n_hb) + cutlass.Int64(hb))
-                                       * cutlass.Int64(d_qk))
-                    else:
-                        g_bases.append((kv_batch + cutlass.Int64(row)) * cutlass.Int64(d_qk))
-                    rows.append(row)
-                for ch in cutlass.range(self.n_ch, unroll=1):
-                    sQc = cute.make_tensor(q_sw + cute.assume(ch * (bm * 64), divby=512),
-                                           sTt_layout)
-                    tKrQ = thr_kv.make_fragment_B(thr_kv.partition_B(sQc))
-                    sDOc = cute.make_tensor(do_sw + cute.assume(ch * (bm * 64), divby=512),
-                                            sTt_layout)
-                    tKrDO = thr_kv.make_fragment_B(thr_kv.partition_B(sDOc))
-                    acc = thr_kv.make_fragment_C(acc_kv_shape)
-                    acc.fill(0.0)
-                    # Straight-line wgmma sequences per live-head count (a wgmma under a
-                    # runtime condition is serialized by ptxas).
-                    if kh == 4 or cutlass.const_expr(not self.skip_heads):
-                        self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 4)
-                    elif kh == 1:
-                        self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 1)
-                    elif kh == 2:
-                        self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 2)
-                    else:
-                        self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 3)
-                    warpgroup.wait_group(0)
-                    self._scatter(acc, gtid % 32, rows, g_bases, ch, out_scale, mDKV)
+                # dKV chunks [wg0_chunks, n_ch) of this block
+                self._dkv_block(dkv_mma, gtid, ds_sw, p_sw, q_sw, do_sw, sTt_layout, sRow, slot,
+                                blk, bt32, t_begin, K, kv_batch, hb, n_hb, kh, scale, mDKV,
+                                self.wg0_chunks, self.n_ch)
                 # this block's P / dS tiles and sRow slot are free again
                 cute.arch.mbarrier_arrive(mbar + DS_EMPTY)
 
@@ -677,6 +650,62 @@ class SparseMlaBwdWgmmaSm90:
             for i in cutlass.range_constexpr(self.chunks // self.io_tpr):
                 c = csub + self.io_tpr * i
                 cute.copy(st_atom, self._chunk(sO, crow, c), self._chunk(mDQ, q_row, c))
+
+    @cute.jit
+    def _dkv_block(self, dkv_mma: cute.TiledMma, gtid: cutlass.Int32, ds_sw, p_sw, q_sw, do_sw,
+                   sTt_layout: cute.Layout, sRow: cute.Tensor, slot, blk, bt32: cutlass.Int32,
+                   t_begin: cutlass.Int32, K: cutlass.Int32, kv_batch: cutlass.Int64,
+                   hb: cutlass.Int32, n_hb: cutlass.Int32, kh: cutlass.Int32,
+                   scale: cutlass.Float32, mDKV: cute.Tensor, ch_lo: cutlass.Constexpr,
+                   ch_hi: cutlass.Constexpr):
+        """dKV columns [64 ch_lo, 64 ch_hi) of one block, 64 at a time: wgmma with A = dS^T /
+        P^T (M = KV rows, K = heads), B = Q / dO column chunks (N = 64 columns, K = heads), all
+        MN-major views of the K-major smem tiles; then _scatter adds (or stores) them."""
+        bn, bm = self.bn, self.bm
+        thr_kv = dkv_mma.get_slice(gtid)
+        tKrDS = thr_kv.make_fragment_A(thr_kv.partition_A(cute.make_tensor(ds_sw, sTt_layout)))
+        tKrP = thr_kv.make_fragment_A(thr_kv.partition_A(cute.make_tensor(p_sw, sTt_layout)))
+        acc_kv_shape = thr_kv.partition_shape_C((bn, 64))
+        # after _scatter's lane transpose, lane l of warp w adds to block rows
+        # 16 w + 2 (l // 8) + {0, 1} + {0, 8} (see _scatter)
+        kr_base = (gtid // 32) * 16 + 2 * ((gtid % 32) // 8)
+        out_scale = cutlass.Float32(1.0)
+        if cutlass.const_expr(not self.fold_scale):
+            out_scale = scale
+        tok_row0 = cutlass.Int64(bt32 - t_begin) * cutlass.Int64(K)
+        # this thread's 4 rows (r = kr_base + q0 + 8 rho, in order (rho, q0)): the gathered
+        # row (-1: invalid entry, nothing is added) and its dkv offset
+        rows = []
+        g_bases = []
+        for i in cutlass.range_constexpr(4):
+            kr = kr_base + (i % 2) + 8 * (i // 2)
+            row = sRow[slot * bn + kr]
+            if cutlass.const_expr(self.deterministic):
+                g_bases.append(((tok_row0 + cutlass.Int64(blk * bn + kr))
+                                * cutlass.Int64(n_hb) + cutlass.Int64(hb))
+                               * cutlass.Int64(self.d_qk))
+            else:
+                g_bases.append((kv_batch + cutlass.Int64(row)) * cutlass.Int64(self.d_qk))
+            rows.append(row)
+        for ch in cutlass.range(ch_lo, ch_hi, unroll=1):
+            sQc = cute.make_tensor(q_sw + cute.assume(ch * (bm * 64), divby=512), sTt_layout)
+            tKrQ = thr_kv.make_fragment_B(thr_kv.partition_B(sQc))
+            sDOc = cute.make_tensor(do_sw + cute.assume(ch * (bm * 64), divby=512), sTt_layout)
+            tKrDO = thr_kv.make_fragment_B(thr_kv.partition_B(sDOc))
+            acc = thr_kv.make_fragment_C(acc_kv_shape)
+            acc.fill(0.0)
+            # Straight-line wgmma sequences per live-head count (a wgmma under a runtime
+            # condition is serialized by ptxas).
+            if kh == 4 or cutlass.const_expr(not self.skip_heads):
+                self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 4)
+            elif kh == 1:
+                self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 1)
+            elif kh == 2:
+                self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 2)
+            else:
+                self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 3)
+            warpgroup.wait_group(0)
+            self._scatter(acc, gtid % 32, rows, g_bases, ch, out_scale, mDKV)
 
     @cute.jit
     def _dkv_mma(self, dkv_mma: cute.TiledMma, acc: cute.Tensor, tKrDS: cute.Tensor,
@@ -733,8 +762,8 @@ class SparseMlaBwdWgmmaSm90:
 
 # -------------------------------------------------------------------- AOT compile entry
 def compile_bwd_wgmma(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                      options: str | None = None):
+                      options: str | None = None, wg0_chunks: int = 3):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
-    return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic),
+    return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))
