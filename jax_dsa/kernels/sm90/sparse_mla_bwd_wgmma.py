@@ -161,9 +161,11 @@ class SparseMlaBwdWgmmaSm90:
         self.skip_heads = True  # issue only ceil(live heads / 16) dKV k-steps
         # dKV chunks [0, wg0_chunks) are computed by WG0 (after its dQ half and gather), the
         # rest by WG1. With all of them in WG1 (v6), WG1 was the critical path and WG0 waited
-        # ~44 % of its time (ncu). Measured at Dqk 512 (H200, backward of the benchmark):
-        # 1 / 2 / 3 / 4 / 5 chunks in WG0 -> H=64 2.92 / 2.85 / 2.73-2.78 / 2.82 / 2.79 ms
-        # against 2.98 with none; 3 is the default (Dqk 576 not tuned separately).
+        # ~44 % of its time (ncu). Measured at Dqk 512 (H200, backward of the benchmark), one
+        # chunk at a time: 1 / 2 / 3 / 4 / 5 chunks in WG0 -> H=64 2.92 / 2.85 / 2.73-2.78 /
+        # 2.82 / 2.79 ms against 2.98 with none. With chunk pairs (_dkv_block): 2 / 3 / 4 ->
+        # H=64 2.77 / 2.77 / 2.64 ms, H=128 5.35 / 5.37 / 5.28 ms. 3 is the default, validated
+        # on the GPU; 4 (experimental "wgp4") waits for its GPU test run. Dqk 576 not tuned.
         assert 0 <= wg0_chunks < self.n_ch
         self.wg0_chunks = wg0_chunks
 
@@ -687,25 +689,50 @@ class SparseMlaBwdWgmmaSm90:
             else:
                 g_bases.append((kv_batch + cutlass.Int64(row)) * cutlass.Int64(self.d_qk))
             rows.append(row)
-        for ch in cutlass.range(ch_lo, ch_hi, unroll=1):
-            sQc = cute.make_tensor(q_sw + cute.assume(ch * (bm * 64), divby=512), sTt_layout)
-            tKrQ = thr_kv.make_fragment_B(thr_kv.partition_B(sQc))
-            sDOc = cute.make_tensor(do_sw + cute.assume(ch * (bm * 64), divby=512), sTt_layout)
-            tKrDO = thr_kv.make_fragment_B(thr_kv.partition_B(sDOc))
-            acc = thr_kv.make_fragment_C(acc_kv_shape)
-            acc.fill(0.0)
-            # Straight-line wgmma sequences per live-head count (a wgmma under a runtime
-            # condition is serialized by ptxas).
-            if kh == 4 or cutlass.const_expr(not self.skip_heads):
-                self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 4)
-            elif kh == 1:
-                self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 1)
-            elif kh == 2:
-                self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 2)
-            else:
-                self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 3)
+        # Chunks in pairs: the second chunk's MMA runs while the first is scattered (no wgmma
+        # is in flight across the runtime loop's back edge: ptxas would serialize them, C7514).
+        # Dqk 576 keeps one chunk at a time: WG1's rope dQ accumulator leaves no room for a
+        # second 64 x 64 one (ptxas spills).
+        n_pairs = (ch_hi - ch_lo) // 2 if self.rope == 0 else 0
+        for i in cutlass.range(n_pairs, unroll=1):
+            ch = ch_lo + 2 * i
+            acc0 = self._dkv_issue(dkv_mma, thr_kv, acc_kv_shape, tKrDS, tKrP, q_sw, do_sw,
+                                   sTt_layout, kh, ch)
+            acc1 = self._dkv_issue(dkv_mma, thr_kv, acc_kv_shape, tKrDS, tKrP, q_sw, do_sw,
+                                   sTt_layout, kh, ch + 1)
+            warpgroup.wait_group(1)
+            self._scatter(acc0, gtid % 32, rows, g_bases, ch, out_scale, mDKV)
+            warpgroup.wait_group(0)
+            self._scatter(acc1, gtid % 32, rows, g_bases, ch + 1, out_scale, mDKV)
+        for ch in cutlass.range(ch_lo + 2 * n_pairs, ch_hi, unroll=1):
+            acc = self._dkv_issue(dkv_mma, thr_kv, acc_kv_shape, tKrDS, tKrP, q_sw, do_sw,
+                                  sTt_layout, kh, ch)
             warpgroup.wait_group(0)
             self._scatter(acc, gtid % 32, rows, g_bases, ch, out_scale, mDKV)
+
+    @cute.jit
+    def _dkv_issue(self, dkv_mma: cute.TiledMma, thr_kv, acc_kv_shape, tKrDS: cute.Tensor,
+                   tKrP: cute.Tensor, q_sw, do_sw, sTt_layout: cute.Layout, kh: cutlass.Int32,
+                   ch) -> cute.Tensor:
+        """Issue (and commit, not wait for) dKV chunk ch into a new zero-filled accumulator."""
+        bm = self.bm
+        sQc = cute.make_tensor(q_sw + cute.assume(ch * (bm * 64), divby=512), sTt_layout)
+        tKrQ = thr_kv.make_fragment_B(thr_kv.partition_B(sQc))
+        sDOc = cute.make_tensor(do_sw + cute.assume(ch * (bm * 64), divby=512), sTt_layout)
+        tKrDO = thr_kv.make_fragment_B(thr_kv.partition_B(sDOc))
+        acc = thr_kv.make_fragment_C(acc_kv_shape)
+        acc.fill(0.0)
+        # Straight-line wgmma sequences per live-head count (a wgmma under a runtime
+        # condition is serialized by ptxas).
+        if kh == 4 or cutlass.const_expr(not self.skip_heads):
+            self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 4)
+        elif kh == 1:
+            self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 1)
+        elif kh == 2:
+            self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 2)
+        else:
+            self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 3)
+        return acc
 
     @cute.jit
     def _dkv_mma(self, dkv_mma: cute.TiledMma, acc: cute.Tensor, tKrDS: cute.Tensor,
