@@ -99,14 +99,16 @@ def find_dialect_runtime():
     raise SystemExit("build_kernels: libcuda_dialect_runtime_static.a not found in nvidia-cutlass-dsl")
 
 
-def _variants(stable, experimental, use_experimental):
-    """(tag, compile function) pairs; experimental modules that do not exist are skipped."""
+def compile_fn(mod_name, fn_name, kwargs=None):
+    """The compile function of a variant table entry, with its keyword arguments bound."""
     import importlib
 
-    def compile_fn(mod_name, fn_name, kwargs=None):
-        fn = getattr(importlib.import_module(f"jax_dsa.kernels.sm90.{mod_name}"), fn_name)
-        return functools.partial(fn, **kwargs) if kwargs else fn
+    fn = getattr(importlib.import_module(f"jax_dsa.kernels.sm90.{mod_name}"), fn_name)
+    return functools.partial(fn, **kwargs) if kwargs else fn
 
+
+def _variants(stable, experimental, use_experimental):
+    """(tag, compile function) pairs; experimental modules that do not exist are skipped."""
     out = [(tag, compile_fn(*entry)) for tag, entry in stable.items()]
     for tag, entry in (experimental.items() if use_experimental else ()):
         if not os.path.isfile(os.path.join(ROOT, "jax_dsa", "kernels", "sm90", entry[0] + ".py")):

@@ -28,7 +28,6 @@ cuobjdump / nvdisasm are looked up on PATH, in CUDA_HOME/bin and in /tmp/cudatoo
 
 import argparse
 import collections
-import functools
 import glob
 import os
 import re
@@ -88,8 +87,6 @@ def sass_facts(sass):
 
 def jobs(variants, experimental):
     """(name, export prefix, compile thunk, deterministic) for every requested specialization."""
-    import importlib
-
     import cutlass
 
     dtypes = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
@@ -111,10 +108,7 @@ def jobs(variants, experimental):
         if kind not in tables or tag not in tables[kind]:
             raise SystemExit(f"unknown variant {v!r}; known: "
                              + ", ".join(f"{k}:{t}" for k in tables for t in tables[k]))
-        mod_name, fn_name, *kwargs = tables[kind][tag]
-        fn = getattr(importlib.import_module(f"jax_dsa.kernels.sm90.{mod_name}"), fn_name)
-        if kwargs:
-            fn = functools.partial(fn, **kwargs[0])
+        fn = build_kernels.compile_fn(*tables[kind][tag])
         for dname, d in build_kernels.FWD_SPECS:
             if kind == "fwd":
                 out.append((v, f"jax_dsa_fwd{tag}_{dname}_d{d}",

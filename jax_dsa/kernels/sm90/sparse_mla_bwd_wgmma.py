@@ -660,9 +660,10 @@ class SparseMlaBwdWgmmaSm90:
                    hb: cutlass.Int32, n_hb: cutlass.Int32, kh: cutlass.Int32,
                    scale: cutlass.Float32, mDKV: cute.Tensor, ch_lo: cutlass.Constexpr,
                    ch_hi: cutlass.Constexpr):
-        """dKV columns [64 ch_lo, 64 ch_hi) of one block, 64 at a time: wgmma with A = dS^T /
-        P^T (M = KV rows, K = heads), B = Q / dO column chunks (N = 64 columns, K = heads), all
-        MN-major views of the K-major smem tiles; then _scatter adds (or stores) them."""
+        """dKV columns [64 ch_lo, 64 ch_hi) of one block in 64-column chunks: wgmma with
+        A = dS^T / P^T (M = KV rows, K = heads), B = Q / dO column chunks (N = 64 columns,
+        K = heads), all MN-major views of the K-major smem tiles; then _scatter adds (or
+        stores) each chunk."""
         bn, bm = self.bn, self.bm
         thr_kv = dkv_mma.get_slice(gtid)
         tKrDS = thr_kv.make_fragment_A(thr_kv.partition_A(cute.make_tensor(ds_sw, sTt_layout)))
