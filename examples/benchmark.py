@@ -1,6 +1,6 @@
 """Benchmark sparse MLA: the Hopper kernel against the pure-JAX reference, in one run.
 
-    python examples/benchmark.py [--quick] [--out DIR] [--impls cute,xla] [--passes fwd,fwdbwd]
+    python examples/benchmark.py [--quick] [--out DIR] [--impls cute,xla] [--passes fwd,bwd,fwdbwd]
 
 --impls takes cute (the kernels), cute-det (the kernels with deterministic=True, which only
 changes the backward) and xla (the reference).
@@ -18,7 +18,11 @@ milliseconds, so that the host's dispatch of the first call and the final synchr
 
 Inputs are random normal (never zeros); each token's list is its 128 most recent rows (-1 before
 the start) followed by top-k distinct random rows of [0, S).
-FLOPs: fwd = 2*B*T*H*K*(Dqk + d_v), K = valid entries; fwd+bwd = 3.5 x fwd (bwd = 2.5 x fwd).
+Passes: fwd (sparse_mla with lse), bwd (the backward alone: the VJP of a forward computed
+beforehand, applied under jit to a random bf16 dO and dlse = 0, as in training where only o feeds
+the loss) and fwdbwd (jax.value_and_grad of sum(o^2) under jit: forward, the loss's own
+elementwise work and the backward).
+FLOPs: fwd = 2*B*T*H*K*(Dqk + d_v), K = valid entries; bwd = 2.5 x fwd; fwd+bwd = 3.5 x fwd.
 Bytes: gathered KV rows (K*Dqk per token) + q read + o written.
 """
 from __future__ import annotations
@@ -89,6 +93,7 @@ def device_bytes(fn, args):
 
 
 def make_fn(impl, passes):
+  """(jitted function, how to get its arguments from (q, kv, idx, sink))."""
   deterministic = impl == "cute-det"
   impl = "cute" if deterministic else impl
 
@@ -97,14 +102,23 @@ def make_fn(impl, passes):
                               deterministic=deterministic)
 
   if passes == "fwd":
-    return jax.jit(fwd)
+    return jax.jit(fwd), lambda *inputs: inputs
+  if passes == "bwd":
+    def bwd_args(q, kv, idx, sink):
+      (o, lse), vjp_fn = jax.vjp(lambda q, kv, sink: fwd(q, kv, idx, sink), q, kv, sink)
+      do = jax.random.normal(jax.random.PRNGKey(7), o.shape, jnp.float32).astype(o.dtype)
+      return vjp_fn, (do, jnp.zeros_like(lse))
+
+    # vjp_fn is a pytree holding the residuals (q, kv, idx, o, lse, ...): jit takes them as
+    # arguments, so only the backward runs.
+    return jax.jit(lambda vjp_fn, cotangents: vjp_fn(cotangents)), bwd_args
 
   def loss(q, kv, sink, idx):
     o, _ = fwd(q, kv, idx, sink)
     return jnp.sum(o.astype(jnp.float32) ** 2)
 
   grad = jax.value_and_grad(loss, argnums=(0, 1, 2))
-  return jax.jit(lambda q, kv, idx, sink: grad(q, kv, sink, idx))
+  return jax.jit(lambda q, kv, idx, sink: grad(q, kv, sink, idx)), lambda *inputs: inputs
 
 
 def main(argv=None):
@@ -113,7 +127,7 @@ def main(argv=None):
   parser.add_argument("--heads", default="", help="comma-separated head counts to keep (default: all)")
   parser.add_argument("--tokens", type=int, default=4096)
   parser.add_argument("--impls", default="cute,xla")
-  parser.add_argument("--passes", default="fwd,fwdbwd")
+  parser.add_argument("--passes", default="fwd,bwd,fwdbwd")
   parser.add_argument("--calls", type=int, default=10, help="calls per batch (at least)")
   parser.add_argument("--batch-ms", type=float, default=25.0,
                       help="more calls per batch until a batch lasts about this long")
@@ -134,16 +148,18 @@ def main(argv=None):
     flops_fwd = 2.0 * h * valid * (D + D_V)
     bytes_fwd = 2.0 * (valid * D + q.size + q.size // D * D_V)
     for passes in args.passes.split(","):
-      flops = flops_fwd * (1.0 if passes == "fwd" else 3.5)
+      flops = flops_fwd * {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}[passes]
       times = {}
       for impl in impls:
-        fn = make_fn(impl, passes)
-        t = time_call(fn, (q, kv, idx, sink), args.calls, args.batches, args.batch_ms)
+        fn, make_args = make_fn(impl, passes)
+        fn_args = make_args(q, kv, idx, sink)
+        t = time_call(fn, fn_args, args.calls, args.batches, args.batch_ms)
         times[impl] = t
         rows.append(dict(shape=label, h=h, k=WINDOW + topk, t=args.tokens, passes=passes,
                          impl=impl, us=t * 1e6, tflops=flops / t / 1e12,
                          tbs=bytes_fwd / t / 1e12 if passes == "fwd" else float("nan"),
-                         mem_mb=device_bytes(fn, (q, kv, idx, sink)) / 2**20))
+                         mem_mb=device_bytes(fn, fn_args) / 2**20))
+        del fn_args
         print(f"{label:20s} {passes:6s} {impl:8s} {t * 1e6:10.1f} us {rows[-1]['tflops']:7.1f} "
               f"TFLOP/s {rows[-1]['tbs']:6.2f} TB/s {rows[-1]['mem_mb']:9.1f} MB", flush=True)
       if "xla" in times:

@@ -49,9 +49,7 @@ BWD_VARIANTS = {
 # JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>; their GPU status goes in docs/performance.md (the
 # ones measured slower, e.g. ws2c and wgc, were removed: git history).
 EXPERIMENTAL_FWD = {}
-# wgp4: the default backward with 4 instead of 3 dKV chunks in WG0 (measured faster at Dqk 512,
-# docs/performance.md; the default once the GPU suite has run on it).
-EXPERIMENTAL_BWD = {"wgp4": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"wg0_chunks": 4})}
+EXPERIMENTAL_BWD = {}
 # (dtype name, Dqk); one export per variant and spec.
 FWD_SPECS = [("bf16", 512), ("bf16", 576), ("f16", 512), ("f16", 576)]
 

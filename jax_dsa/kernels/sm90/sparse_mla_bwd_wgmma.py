@@ -18,8 +18,8 @@ min_blocks_per_mp=1, so each thread may use up to 255 registers):
       writes the 16-bit P (= c P~) and dS tiles (64 heads x 64 rows) to smem, arrives ds_full
       dQ[:, 0:256] += dS K[:, 0:256]   wgmma 64x256x16 with dS as the REGISTER A operand
       gathers columns [0, 256) of block n + 1 (16-byte cp.async; 8 threads per row)
-      dKV chunks ch < wg0_chunks (3) of block n, as WG1 does below (_dkv_block): WG0 had
-      slack (it waited ~44 % of its time for WG1 before this split, ncu v6)
+      dKV chunks ch < wg0_chunks (4 at Dqk 512, 3 at 576) of block n, as WG1 does below
+      (_dkv_block): WG0 had slack (it waited ~44 % of its time for WG1 before this split, ncu v6)
   WG1 ("dKV" group) per block n:
       waits ds_full(n) and kv_full(n)
       dQ[:, 256:Dqk] += dS K[:, 256:Dqk]   wgmma 64x256x16 (+ 64x64x16 for the rope), SS
@@ -136,7 +136,7 @@ DS_EMPTY = 2
 
 class SparseMlaBwdWgmmaSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                 wg0_chunks: int = 3):
+                 wg0_chunks: int | None = None):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -164,8 +164,10 @@ class SparseMlaBwdWgmmaSm90:
         # ~44 % of its time (ncu). Measured at Dqk 512 (H200, backward of the benchmark), one
         # chunk at a time: 1 / 2 / 3 / 4 / 5 chunks in WG0 -> H=64 2.92 / 2.85 / 2.73-2.78 /
         # 2.82 / 2.79 ms against 2.98 with none. With chunk pairs (_dkv_block): 2 / 3 / 4 ->
-        # H=64 2.77 / 2.77 / 2.64 ms, H=128 5.35 / 5.37 / 5.28 ms. 3 is the default, validated
-        # on the GPU; 4 (experimental "wgp4") waits for its GPU test run. Dqk 576 not tuned.
+        # H=64 2.77 / 2.77 / 2.64 ms, H=128 5.35 / 5.37 / 5.28 ms, so 4 (two pairs) at Dqk 512.
+        # Dqk 576 issues one chunk at a time (pairs spill) and keeps the measured 3.
+        if wg0_chunks is None:
+            wg0_chunks = 4 if d_qk == 512 else 3
         assert 0 <= wg0_chunks < self.n_ch
         self.wg0_chunks = wg0_chunks
 
@@ -790,7 +792,7 @@ class SparseMlaBwdWgmmaSm90:
 
 # -------------------------------------------------------------------- AOT compile entry
 def compile_bwd_wgmma(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                      options: str | None = None, wg0_chunks: int = 3):
+                      options: str | None = None, wg0_chunks: int | None = None):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
     return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks),
