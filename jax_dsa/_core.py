@@ -33,14 +33,13 @@ def _local_forward(q, kv, idx, topk_length, sink, *, scale, d_v, impl):
 
 
 def _kernel_backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale, deterministic):
-  """Per-row terms in plain JAX (XLA fuses them), dq and dkv on the Hopper kernel."""
+  """dq, dkv and delta = rowsum(do * o) on the Hopper kernel; the sink terms in plain JAX."""
   from jax_dsa import _native
   c, sink_share = reference.sink_split(sink[None, None, :], lse)
-  delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
-  # dS_j = p~_j * (c * dP_j - (c * Delta - dlse)): the kernel needs c and that shift per row.
-  coef = jnp.stack([c, c * delta - dlse], axis=-1)
+  # dS_j = p~_j * (c * dP_j - (c * delta - dlse)): the kernel computes delta and needs c, dlse.
+  coef = jnp.stack([c, dlse], axis=-1)
   bwd = _native.sparse_mla_bwd_deterministic if deterministic else _native.sparse_mla_bwd
-  dq, dkv = bwd(q, kv, idx, topk_length, lse, do, coef, scale=scale)
+  dq, dkv, delta = bwd(q, kv, idx, topk_length, lse, do, o, coef, scale=scale)
   dsink = jnp.where(jnp.isneginf(sink)[None, :], 0.0, -jnp.sum(sink_share * delta, axis=1))
   return dq, dkv, dsink
 

@@ -151,12 +151,13 @@ def has_backward(deterministic: bool = False) -> bool:
         return False
 
 
-def sparse_mla_bwd(q, kv, idx, topk_length, lse, do, coef, scale):
-    """Backward on the CUDA kernels: (dq [B, T, H, Dqk] q.dtype, dkv [B, S, Dqk] float32).
+def sparse_mla_bwd(q, kv, idx, topk_length, lse, do, o, coef, scale):
+    """Backward on the CUDA kernels: (dq [B, T, H, Dqk] q.dtype, dkv [B, S, Dqk] float32,
+    delta [B, T, H] float32 = rowsum(do * o)).
 
-    lse [B, T, H] float32 (the forward's; -inf on dead rows), do [B, T, H, 512],
-    coef [B, T, H, 2] float32 = (c, c * Delta - dlse) per row (see jax_dsa._core). dkv is the
-    fp32 accumulator (zero-filled by the handler); the caller casts it.
+    lse [B, T, H] float32 and o [B, T, H, 512] (the forward's; lse -inf on dead rows),
+    do [B, T, H, 512], coef [B, T, H, 2] float32 = (c, dlse) per row (see jax_dsa._core). dkv is
+    the fp32 accumulator (zero-filled by the handler); the caller casts it.
     """
     lib = load()
     if any(d.platform == "gpu" for d in jax.devices()):
@@ -168,6 +169,7 @@ def sparse_mla_bwd(q, kv, idx, topk_length, lse, do, coef, scale):
         (
             jax.ShapeDtypeStruct((B, T, H, D), q.dtype),
             jax.ShapeDtypeStruct((B, S, D), jnp.float32),
+            jax.ShapeDtypeStruct((B, T, H), jnp.float32),  # delta
         ),
         vmap_method="sequential",
     )
@@ -178,6 +180,7 @@ def sparse_mla_bwd(q, kv, idx, topk_length, lse, do, coef, scale):
         jnp.asarray(topk_length, jnp.int32),
         jnp.asarray(lse, jnp.float32),
         do.astype(q.dtype),
+        o.astype(q.dtype),
         jnp.asarray(coef, jnp.float32),
         scale=np.float32(scale),
     )
@@ -234,7 +237,7 @@ def det_entry_order(idx, topk_length, num_kv_rows: int, chunk: int):
     return order.reshape(-1), seg_end.reshape(-1), rows.reshape(-1)
 
 
-def sparse_mla_bwd_deterministic(q, kv, idx, topk_length, lse, do, coef, scale):
+def sparse_mla_bwd_deterministic(q, kv, idx, topk_length, lse, do, o, coef, scale):
     """sparse_mla_bwd with a bitwise reproducible dkv: no float atomics (see
     jax_dsa/kernels/sm90/sparse_mla_dkv_reduce.py). Same arguments and results."""
     lib = load()
@@ -254,21 +257,23 @@ def sparse_mla_bwd_deterministic(q, kv, idx, topk_length, lse, do, coef, scale):
         (
             jax.ShapeDtypeStruct((B, T, H, D), q.dtype),
             jax.ShapeDtypeStruct((B, S, D), jnp.float32),
+            jax.ShapeDtypeStruct((B, T, H), jnp.float32),  # delta
             jax.ShapeDtypeStruct((chunk * K * n_hb, D), jnp.float32),  # workspace
         ),
         vmap_method="sequential",
     )
-    dq, dkv, _ = call(
+    dq, dkv, delta, _ = call(
         q,
         kv,
         jnp.asarray(idx, jnp.int32),
         jnp.asarray(topk_length, jnp.int32),
         jnp.asarray(lse, jnp.float32),
         do.astype(q.dtype),
+        o.astype(q.dtype),
         jnp.asarray(coef, jnp.float32),
         order,
         seg_end,
         rows,
         scale=np.float32(scale),
     )
-    return dq, dkv
+    return dq, dkv, delta

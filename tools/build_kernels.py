@@ -37,11 +37,9 @@ FWD_VARIANTS = {
     "smallh2": ("sparse_mla_fwd_smallh", "compile_fwd_smallh2"),
     "simt": ("sparse_mla_fwd_simt", "compile_fwd_simt"),
 }
-# Backward variants, each exported in atomic and deterministic form: "wg" (wgmma, the default)
-# and "" (mma.sync, JAX_DSA_BWD_IMPL=mma).
+# Backward variants, each exported in atomic and deterministic form: "wg" (wgmma, the default).
 BWD_VARIANTS = {
     "wg": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma"),
-    "": ("sparse_mla_bwd", "compile_bwd"),
 }
 # Entries are (module, compile function[, its keyword arguments]), so a tuning candidate can be
 # the same kernel with another parameter (e.g. {"wg0_chunks": 2}).

@@ -1,15 +1,33 @@
 """Sparse MLA (DSA) backward for sm_90a with warpgroup MMA (wgmma), role-split warpgroups.
+Launched by ffi/sparse_mla_bwd.cc (the mma.sync predecessor, v2, is in git history: 530849e).
 
-Same math, inputs and contract as sparse_mla_bwd.SparseMlaBwdSm90 (v2, mma.sync); see its
-docstring. Per row (b, t, h) with the forward's lse and the caller's coef = [c, D']:
+Per row (b, t, h), with the forward's natural-log lse (sink excluded, -inf on dead rows) and o,
+and the caller's coef[..., 0] = c = 1 / (1 + exp(sink_h - lse)), coef[..., 1] = dlse (the lse
+cotangent):
 
+    delta = sum_d dO_d o_d  (fp32; written to `delta` for the caller's sink gradient),
+    D' = c delta - dlse,
     s_j = scale q.k_j,  p~_j = exp(s_j - lse) (0 for invalid entries / dead rows),
     dP_j = dO.v_j,      dS_j = p~_j (c dP_j - D'),
     dq = scale sum_j dS_j k_j,   dkv[row_j] += scale sum_h dS_j q_h  (+ sum_h c p~_j dO_h on :512)
 
+Entry j of token t is valid when j < min(K, topk_length[b, t]) and 0 <= idx < S.
+
+Inputs are flattened on the host side: q (B*T*H, Dqk), kv (B*S, Dqk), idx (B*T*K,),
+topk_length (B*T,), lse (B*T*H,), do and o (B*T*H, 512), coef (B*T*H*2,); outputs dq
+(B*T*H, Dqk), dkv (B*S, Dqk) float32 (zero-filled by the caller), delta (B*T*H,) float32.
+
+Deterministic variant (deterministic=True): no atomics. The dkv argument is a workspace of
+n_tok * K * n_hb rows (n_hb = ceil(H / 64)); the contribution of entry j of token bt from head
+block hb is stored, all Dqk columns, at row ((bt - t_begin) * K + j) * n_hb + hb. Invalid entries
+store nothing. sparse_mla_dkv_reduce.py then sums each kv row's contributions in a fixed order.
+
 Grid: x = n_tok tokens starting at t_begin (bt = t_begin + blockIdx.x, b = bt // T), y = the
 ceil(H / 64) head blocks. 256 threads = 2 warpgroups with different roles (launched with
 min_blocks_per_mp=1, so each thread may use up to 255 registers):
+
+  prologue (both groups): Q and dO rows to smem (cp.async), the first block's gather, the o rows
+      to registers; delta per head row (4 threads each, quad shuffle) to smem and global
 
   WG0 ("score" group) per 64-row KV block n:
       S  = Q  K^T   wgmma 64x64x16, A = Q (smem, resident), B = gathered KV (smem)
@@ -182,9 +200,11 @@ class SparseMlaBwdWgmmaSm90:
         mLen: cute.Tensor,
         mLse: cute.Tensor,
         mDO: cute.Tensor,
+        mO: cute.Tensor,
         mCoef: cute.Tensor,
         mDQ: cute.Tensor,
         mDKV: cute.Tensor,
+        mDelta: cute.Tensor,
         B: cutlass.Int32,
         T: cutlass.Int32,
         H: cutlass.Int32,
@@ -232,7 +252,8 @@ class SparseMlaBwdWgmmaSm90:
 
         n_hb = (H + self.bm - 1) // self.bm
         self.kernel(
-            mQ, mKV, mIdx, mLen, mLse, mDO, mCoef, mDQ, mDKV, T, H, S, K, t_begin, n_hb,
+            mQ, mKV, mIdx, mLen, mLse, mDO, mO, mCoef, mDQ, mDKV, mDelta, T, H, S, K, t_begin,
+            n_hb,
             scale,
             k_atom.inner, sQ_layout.outer, sDO_layout.outer, sKV_layout.outer,
             sT_layout.outer, sKt_layout.outer, sTt_layout.outer,
@@ -258,6 +279,7 @@ class SparseMlaBwdWgmmaSm90:
             sP: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sT_layout)], 1024]
             sDS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sT_layout)], 1024]
             sRow: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * self.bn], 16]
+            sDelta: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.bm], 16]
             mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 4], 8]
 
         return SharedStorage
@@ -325,9 +347,11 @@ class SparseMlaBwdWgmmaSm90:
         mLen: cute.Tensor,
         mLse: cute.Tensor,
         mDO: cute.Tensor,
+        mO: cute.Tensor,
         mCoef: cute.Tensor,
         mDQ: cute.Tensor,
         mDKV: cute.Tensor,
+        mDelta: cute.Tensor,
         T: cutlass.Int32,
         H: cutlass.Int32,
         S: cutlass.Int32,
@@ -382,6 +406,7 @@ class SparseMlaBwdWgmmaSm90:
         sP = cute.make_tensor(p_sw, sT_layout)
         sDS = cute.make_tensor(ds_sw, sT_layout)
         sRow = storage.sRow.get_tensor(cute.make_layout(2 * bn))
+        sDelta = storage.sDelta.get_tensor(cute.make_layout(bm))
         mbar = storage.mbar.data_ptr()
 
         if tidx == 0:
@@ -428,10 +453,39 @@ class SparseMlaBwdWgmmaSm90:
                              self.c0_chunks, self.c1_chunks, sRow, 0, False)
             cute.arch.cp_async_mbarrier_arrive_noinc(mbar + KV_FULL)
             cute.arch.mbarrier_arrive(mbar + KV_FULL)
+        # The forward's O row, same columns as this thread's dO chunks, into registers (for
+        # delta = rowsum(dO * O)), overlapping the copies above. Issued after the gather: loads
+        # issued before the index loads would hold up the gather's address (scoreboards count
+        # loads in order), which measured as slow as XLA's separate delta.
+        n_io = d_v // 8 // self.io_tpr
+        rO = cute.make_rmem_tensor((8, n_io), self.dtype)
+        rO.fill(0)
+        if q_ok:
+            ld_atom = cute.make_copy_atom(
+                cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
+            )
+            for i in cutlass.range_constexpr(n_io):
+                cute.copy(ld_atom, self._chunk(mO, q_row, csub + self.io_tpr * i), rO[None, i])
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()  # Q / dO visible to both groups (and to wgmma)
+
+        # ---- delta = rowsum(dO * O) in fp32: 4 threads per head row, then a quad reduction;
+        # written to global for the sink gradient (live heads only) and to smem for WG0.
+        prod = cute.make_rmem_tensor(8, cutlass.Float32)
+        prod.fill(0.0)
+        for i in cutlass.range_constexpr(n_io):
+            d8 = self._chunk(sDO, crow, csub + self.io_tpr * i).load().to(cutlass.Float32)
+            prod.store(prod.load() + d8 * rO[None, i].load().to(cutlass.Float32))
+        delta = prod.load().reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
+        for sh in cutlass.range_constexpr(2):  # the row's 4 threads are lanes 4k .. 4k + 3
+            delta = delta + cute.arch.shuffle_sync_bfly(delta, offset=1 << sh)
+        if csub == 0:
+            sDelta[crow] = delta
+            if q_ok:
+                mDelta[q_row] = delta
+        cute.arch.sync_threads()  # sDelta visible to WG0
 
         # live heads of this CTA -> dKV k-steps (K = heads)
         hl = cutlass.min(H - h0, bm)
@@ -453,7 +507,8 @@ class SparseMlaBwdWgmmaSm90:
             tScS = self._acc_mn_view(thr_sdp.partition_C(cute.make_identity_tensor((bm, bn))))
             n_rows = cute.size(tScS, mode=[0])
             n_cols = cute.size(tScS, mode=[1])
-            # per-row constants: lse*log2e (+inf: p~ = 0 for dead / padded rows), c, D'
+            # per-row constants: lse*log2e (+inf: p~ = 0 for dead / padded rows), c,
+            # D' = c * delta - dlse
             row_lse = cute.make_rmem_tensor(n_rows, cutlass.Float32)
             row_c = cute.make_rmem_tensor(n_rows, cutlass.Float32)
             row_d = cute.make_rmem_tensor(n_rows, cutlass.Float32)
@@ -473,7 +528,7 @@ class SparseMlaBwdWgmmaSm90:
                     if lse > -cutlass.Float32.inf:
                         lse2 = lse * LOG2_E
                         cc = mCoef[rq * 2]
-                        dd = mCoef[rq * 2 + 1]
+                        dd = cc * sDelta[tScS[r, 0][0]] - mCoef[rq * 2 + 1]
                 row_lse[r] = lse2
                 row_c[r] = cc
                 row_d[r] = dd
