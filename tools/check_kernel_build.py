@@ -6,7 +6,7 @@ them: registers, spills, local memory and the SASS instructions that matter.
                                        [--out DIR] [--keep-sass] [--allow-spills]
 
 VARIANT is fwd:<tag> or bwd:<tag> with the tags of tools/build_kernels.py (fwd:ws2, fwd:ws,
-fwd:smallh2, fwd:smallh, fwd:simt, bwd:wg, bwd:, and with --experimental any candidates), or reduce;
+fwd:smallh2, fwd:smallh, fwd:simt, bwd:wg, and with --experimental any candidates), or reduce;
 default: every stable variant. Backward variants are checked in atomic and
 deterministic form.
 
@@ -19,7 +19,7 @@ source tree is written), then
     LDL / STL, and RED / STG vector widths.
 Fails on spills or local memory (unless --allow-spills), on serialized wgmma, on a missing
 tensor-core instruction
-where the variant is built on one (HGMMA for the wgmma kernels, HMMA for the mma.sync backward),
+where the variant is built on one (HGMMA for the wgmma kernels),
 on scalar fp32 RED, and on RED in a deterministic backward.
 
 cuobjdump / nvdisasm are looked up on PATH, in CUDA_HOME/bin and in /tmp/cudatools
@@ -45,7 +45,7 @@ import build_kernels  # noqa: E402  (the variant tables)
 # The tensor-core instruction each variant must contain (None: not a tensor-core kernel).
 TENSOR_OP = {"fwd:ws": "HGMMA", "fwd:ws2": "HGMMA", "fwd:smallh": "HGMMA", "fwd:smallh2": "HGMMA",
              "fwd:simt": None,
-             "bwd:wg": "HGMMA", "bwd:": "HMMA", "reduce": None}
+             "bwd:wg": "HGMMA", "reduce": None}
 
 
 def log(msg):
