@@ -154,7 +154,7 @@ DS_EMPTY = 2
 
 class SparseMlaBwdWgmmaSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                 wg0_chunks: int | None = None):
+                 wg0_chunks: int | None = None, early_idx: bool = False):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -188,6 +188,11 @@ class SparseMlaBwdWgmmaSm90:
             wg0_chunks = 4 if d_qk == 512 else 3
         assert 0 <= wg0_chunks < self.n_ch
         self.wg0_chunks = wg0_chunks
+        # early_idx (experimental "wge"): load block 0's indices first thing, for all j < K,
+        # and apply topk_length afterwards, so that the prologue's chain topk_length -> indices
+        # -> first gather loses one global-load latency (the indices past topk_length are read
+        # from idx, which is in bounds, but their kv rows never are).
+        self.early_idx = early_idx
 
 
     # ---------------------------------------------------------------- host side
@@ -302,6 +307,12 @@ class SparseMlaBwdWgmmaSm90:
         )
         return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
 
+    def _gather_mapping(self, gtid):
+        """Gather thread mapping: 8 threads per row, rows grow + 16 p; (grow, gsub, index
+        registers)."""
+        return (gtid // self.g_tpr, gtid % self.g_tpr,
+                cute.make_rmem_tensor(self.g_passes, cutlass.Int32))
+
     @cute.jit
     def _load_idx(self, mIdx: cute.Tensor, idx_r: cute.Tensor, blk, k_eff: cutlass.Int32,
                   idx_base: cutlass.Int64, grow: cutlass.Int32):
@@ -390,6 +401,9 @@ class SparseMlaBwdWgmmaSm90:
         n_blocks = (k_eff + bn - 1) // bn
         idx_base = bt * cutlass.Int64(K)
         kv_batch = cutlass.Int64(b) * cutlass.Int64(S)
+        if cutlass.const_expr(self.early_idx):
+            grow, gsub, idx_r = self._gather_mapping(gtid)
+            self._load_idx(mIdx, idx_r, 0, K, idx_base, grow)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -439,11 +453,14 @@ class SparseMlaBwdWgmmaSm90:
                 self._chunk(sDO, crow, csub + self.io_tpr * i).fill(0)
         cute.arch.sync_threads()  # mbarrier inits visible before any arrive
 
-        # ---- gather mapping: 8 threads per row, rows grow + 16 p ---------------------------
-        grow = gtid // self.g_tpr
-        gsub = gtid % self.g_tpr
-        idx_r = cute.make_rmem_tensor(self.g_passes, cutlass.Int32)
-        self._load_idx(mIdx, idx_r, 0, k_eff, idx_base, grow)
+        # ---- block 0's indices and gather --------------------------------------------------
+        if cutlass.const_expr(self.early_idx):
+            for p in cutlass.range_constexpr(self.g_passes):
+                if grow + self.g_rows * p >= k_eff:
+                    idx_r[p] = -1
+        else:
+            grow, gsub, idx_r = self._gather_mapping(gtid)
+            self._load_idx(mIdx, idx_r, 0, k_eff, idx_base, grow)
         if n_blocks > 0:
             if wg == 0:
                 self._gather(mKV, sKV, cp_atom, idx_r, S, kv_batch, grow, gsub, 0,
@@ -847,8 +864,10 @@ class SparseMlaBwdWgmmaSm90:
 
 # -------------------------------------------------------------------- AOT compile entry
 def compile_bwd_wgmma(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                      options: str | None = None, wg0_chunks: int | None = None):
+                      options: str | None = None, wg0_chunks: int | None = None,
+                      early_idx: bool = False):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
-    return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks),
+    return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks,
+                                              early_idx),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))
