@@ -471,9 +471,9 @@ class SparseMlaBwdWgmmaSm90:
             cute.arch.cp_async_mbarrier_arrive_noinc(mbar + KV_FULL)
             cute.arch.mbarrier_arrive(mbar + KV_FULL)
         # The forward's O row, same columns as this thread's dO chunks, into registers (for
-        # delta = rowsum(dO * O)), overlapping the copies above. Issued after the gather: loads
-        # issued before the index loads would hold up the gather's address (scoreboards count
-        # loads in order), which measured as slow as XLA's separate delta.
+        # delta = rowsum(dO * O)), overlapping the copies above. Issued after the gather: issued
+        # before the index loads they measured as slow as XLA's separate delta (likely because
+        # the wait for the indices then also waits for them: docs/performance.md, v8).
         n_io = d_v // 8 // self.io_tpr
         rO = cute.make_rmem_tensor((8, n_io), self.dtype)
         rO.fill(0)
