@@ -26,7 +26,9 @@ ping-pong, the ring halves and their barriers are unchanged). What is new:
   * Predicted (not measured): most of the per-token cost that is not the epilogue itself, i.e.
     H=64, K=640 ~0.75-0.78 ms (ws2 0.84), H=128 ~1.5-1.55 ms (1.65).
 
-Items are counted in int32: B*T*ceil(H/64) < 2^31.
+Items are counted in int32: B*T*ceil(H/64) < 2^31. tools/ws2p_protocol_model.py runs this
+kernel's barrier protocol as a model under random interleavings and item sequences (CPU: no hang,
+no parity wait on a barrier two phases ahead, no named barrier arrived twice); keep it in step.
 """
 
 import cutlass
