@@ -114,12 +114,16 @@ class SparseMlaFwdWs2pSm90(SparseMlaFwdWs2Sm90):
 
     # ------------------------------------------------------------------ shared pieces
     @cute.jit
-    def _item(self, w, n_hb: cutlass.Int32, K: cutlass.Int32, mLen: cute.Tensor):
-        """Work item w: (flattened token bt as int64, head block, valid entries, 64-key blocks)."""
+    def _item_k(self, w, n_hb: cutlass.Int32, K: cutlass.Int32, mLen: cute.Tensor):
+        """Valid entries of work item w's token (each agent loads the next item's at the start of
+        the current one, so the load's latency is not at the item boundary)."""
+        return cutlass.min(K, cutlass.max(mLen[cutlass.Int64(w // n_hb)], 0))
+
+    @cute.jit
+    def _item(self, w, n_hb: cutlass.Int32, k_eff: cutlass.Int32):
+        """Work item w: (flattened token bt as int64, head block, 64-key blocks)."""
         bt32 = w // n_hb
-        bt = cutlass.Int64(bt32)
-        k_eff = cutlass.min(K, cutlass.max(mLen[bt], 0))
-        return bt, w - bt32 * n_hb, k_eff, (k_eff + self.bn - 1) // self.bn
+        return cutlass.Int64(bt32), w - bt32 * n_hb, (k_eff + self.bn - 1) // self.bn
 
     # ------------------------------------------------------------------ producer
     @cute.jit
@@ -149,8 +153,12 @@ class SparseMlaFwdWs2pSm90(SparseMlaFwdWs2Sm90):
         cur1 = cute.make_rmem_tensor(npass, cutlass.Int32)
         u0 = cutlass.Int32(0)  # stage 0 fills so far (one per pair)
         u1 = cutlass.Int32(0)  # stage 1 fills so far (one per pair with an odd block)
+        k_next = self._item_k(cta, n_hb, K, mLen)
         for i in range(my_items):
-            bt, hb, k_eff, n_blocks = self._item(cta + i * n_cta, n_hb, K, mLen)
+            k_eff = k_next
+            bt, hb, n_blocks = self._item(cta + i * n_cta, n_hb, k_eff)
+            if i + 1 < my_items:
+                k_next = self._item_k(cta + (i + 1) * n_cta, n_hb, K, mLen)
             h0 = hb * self.bm
             idx_base = bt * cutlass.Int64(K)
             kv_batch = (bt // cutlass.Int64(T)) * cutlass.Int64(S)
@@ -363,9 +371,9 @@ class SparseMlaFwdWs2pSm90(SparseMlaFwdWs2Sm90):
                 tOrP_oth = thr_ss.make_fragment_A(thr_ss.partition_A(sP1))
                 tPsP = r2s_p.partition_D(sP0)
                 # the first item's first Q K^T (later ones are issued under the epilogue)
+                k_next = self._item_k(cta, n_hb, K, mLen)
                 if my_items > 0:
-                    _, _, _, nb0 = self._item(cta, n_hb, K, mLen)
-                    if nb0 > 0:
+                    if k_next > 0:
                         cute.arch.mbarrier_wait(mbar + Q_FULL, 0)
                         # S = Q K0^T of stage 0 (left columns first), committed (inline: the ACCUMULATE
                         # field set inside a helper's region does not reach later regions)
@@ -385,7 +393,9 @@ class SparseMlaFwdWs2pSm90(SparseMlaFwdWs2Sm90):
                         warpgroup.commit_group()
                         warpgroup.wait_group(0)
                 for i in range(my_items):
-                    bt, hb, _, n_blocks = self._item(cta + i * n_cta, n_hb, K, mLen)
+                    bt, hb, n_blocks = self._item(cta + i * n_cta, n_hb, k_next)
+                    if i + 1 < my_items:
+                        k_next = self._item_k(cta + (i + 1) * n_cta, n_hb, K, mLen)
                     n_pairs = (n_blocks + 1) // 2
                     cute.arch.mbarrier_wait(mbar + Q_FULL, i % 2)
                     if n_pairs <= 1:  # this item's only Q K^T (if any) is complete
@@ -460,8 +470,7 @@ class SparseMlaFwdWs2pSm90(SparseMlaFwdWs2Sm90):
                     u1 = u1 + n_blocks // 2
                     # the next item's first Q K^T runs under this item's epilogue
                     if i + 1 < my_items:
-                        _, _, _, nb_next = self._item(cta + (i + 1) * n_cta, n_hb, K, mLen)
-                        if nb_next > 0:
+                        if k_next > 0:
                             cute.arch.mbarrier_wait(mbar + Q_FULL, (i + 1) % 2)
                             # S = Q K0^T of stage 0 (left columns first), committed (inline: the ACCUMULATE
                             # field set inside a helper's region does not reach later regions)
@@ -490,8 +499,11 @@ class SparseMlaFwdWs2pSm90(SparseMlaFwdWs2Sm90):
                 # ---------------- WG1: odd blocks, stage 1, O columns 256..511 ---------------
                 tOrP_oth = thr_ss.make_fragment_A(thr_ss.partition_A(sP0))
                 tPsP = r2s_p.partition_D(sP1)
+                k_next = self._item_k(cta, n_hb, K, mLen)
                 for i in range(my_items):
-                    bt, hb, _, n_blocks = self._item(cta + i * n_cta, n_hb, K, mLen)
+                    bt, hb, n_blocks = self._item(cta + i * n_cta, n_hb, k_next)
+                    if i + 1 < my_items:
+                        k_next = self._item_k(cta + (i + 1) * n_cta, n_hb, K, mLen)
                     n_pairs = (n_blocks + 1) // 2
                     cute.arch.mbarrier_wait(mbar + Q_FULL, i % 2)
                     if n_blocks < 2:  # no odd block: this group reads no Q in this item
