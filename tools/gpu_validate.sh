@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU validation, from the source tree with jax_dsa/_lib built:
 #
-#   bash tools/gpu_validate.sh [tests] [memcheck] [bench] [smoke] [profile] [hotlines]
+#   bash tools/gpu_validate.sh [tests] [memcheck] [bench] [smoke] [profile] [hotlines] [candidates]
 #                                                                (default: tests memcheck)
 #
 # Each step has its own time limit and writes its full log to $OUT (or /tmp/jax_dsa_gpu); the
@@ -59,6 +59,25 @@ for step in "${steps[@]}"; do
         ncu --import "$out/src_$1_h$2_k$3.ncu-rep" --page source --csv --print-source sass \
           > "$out/src_$1_h$2_k$3.csv" 2>/dev/null || rc=$?
         python3 tools/ncu_hot_lines.py "$out/src_$1_h$2_k$3.csv" 20 | cut -c1-160
+      done ;;
+    candidates)  # the experimental variants (library built with --experimental): correctness
+      # first (a barrier-protocol bug hangs: short timeouts), then speed next to the default
+      rc=0
+      for v in ws2p ws2e; do
+        timeout 200 python3 tools/gpu_smoke_fwd.py --impl "$v" --skip-timing \
+          > "$out/cand_smoke_$v.log" 2>&1
+        r=$?; [ $r -eq 0 ] || rc=$r
+        echo "smoke $v rc=$r (124: timed out, e.g. a hang): $(grep -c "^\[PASS\]" "$out/cand_smoke_$v.log") PASS, $(grep -c "^\[FAIL\]" "$out/cand_smoke_$v.log") FAIL"
+      done
+      for v in default ws2p ws2e; do
+        JAX_DSA_FWD_IMPL=$v timeout 120 python3 examples/benchmark.py --quick --impls cute \
+          --passes fwd --calls 5 --batches 3 --out "$out/cand_fwd_$v" > "$out/cand_fwd_$v.log" 2>&1 || rc=$?
+        echo "fwd $v: $(grep -v "^|" "$out/cand_fwd_$v.log" | grep " fwd " | awk '{printf "%s ", $(NF-7)}') us"
+      done
+      for v in default wge; do
+        JAX_DSA_BWD_IMPL=$v timeout 120 python3 examples/benchmark.py --quick --impls cute \
+          --passes bwd --calls 5 --batches 3 --out "$out/cand_bwd_$v" > "$out/cand_bwd_$v.log" 2>&1 || rc=$?
+        echo "bwd $v: $(grep -v "^|" "$out/cand_bwd_$v.log" | grep " bwd " | awk '{printf "%s ", $(NF-7)}') us"
       done ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
