@@ -141,33 +141,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
     ):
         k_atom, sQ_layout, sKV_layout, sVt_layout, sP_layout, sO_layout, sOg_layout = (
             self._smem_layouts())
-        # P tiles: Dqk 576 -> P0 in stage 0's rope columns, only P1 here; Dqk 512 -> both.
-        p_elems = cute.cosize(sP_layout) * (1 if self.p_in_rope else 2)
-
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sKV: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, 2 * cute.cosize(sKV_layout)], 1024
-            ]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
-            sValid: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * self.bn], 16]
-            sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * self.bm], 16]
-            sM: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * self.bm], 16]
-            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 8], 8]
-
-        qk_mma = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            cutlass.Float32, (1, 1, 1), (self.bm, self.bn),
-        )
-        pv_rs = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
-            cutlass.Float32, (1, 1, 1), (self.bm, self.dv_g), warpgroup.OperandSource.RMEM,
-        )
-        pv_ss = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
-            cutlass.Float32, (1, 1, 1), (self.bm, self.dv_g), warpgroup.OperandSource.SMEM,
-        )
+        SharedStorage, qk_mma, pv_rs, pv_ss = self._storage_and_mmas(
+            sQ_layout, sKV_layout, sP_layout, red_floats=2 * self.bm, n_mbar=8)
         n_head_blocks = (H + self.bm - 1) // self.bm
         kernel = self.kernel(
             mQ, mKV, mIdx, mLen, mSink, mO, mLse, T, H, S, K, scale * LOG2_E,
@@ -181,6 +156,39 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
             min_blocks_per_mp=1,
             stream=stream,
         )
+
+    def _storage_and_mmas(self, sQ_layout, sKV_layout, sP_layout, red_floats: int, n_mbar: int):
+        """The shared-memory struct (Q, the 2-stage ring, P tiles, row flags, the row-sum / max
+        exchange buffers, n_mbar mbarriers) and the tiled MMAs: Q K^T, P V with P in registers,
+        P V with P in shared memory."""
+        # P tiles: Dqk 576 -> P0 in stage 0's rope columns, only P1 here; Dqk 512 -> both.
+        p_elems = cute.cosize(sP_layout) * (1 if self.p_in_rope else 2)
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sKV: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, 2 * cute.cosize(sKV_layout)], 1024
+            ]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
+            sValid: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * self.bn], 16]
+            sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, red_floats], 16]
+            sM: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * self.bm], 16]
+            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, n_mbar], 8]
+
+        qk_mma = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            cutlass.Float32, (1, 1, 1), (self.bm, self.bn),
+        )
+        pv_rs = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            cutlass.Float32, (1, 1, 1), (self.bm, self.dv_g), warpgroup.OperandSource.RMEM,
+        )
+        pv_ss = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            cutlass.Float32, (1, 1, 1), (self.bm, self.dv_g), warpgroup.OperandSource.SMEM,
+        )
+        return SharedStorage, qk_mma, pv_rs, pv_ss
 
     # ------------------------------------------------------------------ producer
     @cute.jit

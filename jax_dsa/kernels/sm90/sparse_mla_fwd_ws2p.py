@@ -33,7 +33,6 @@ no parity wait on a barrier two phases ahead, no named barrier arrived twice); k
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 import cuda.bindings.driver as cuda
 
@@ -72,32 +71,9 @@ class SparseMlaFwdWs2pSm90(SparseMlaFwdWs2Sm90):
         stream: cuda.CUstream,
     ):
         k_atom, sQ_layout, sKV_layout, sVt_layout, sP_layout, _, _ = self._smem_layouts()
-        p_elems = cute.cosize(sP_layout) * (1 if self.p_in_rope else 2)
-
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sKV: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, 2 * cute.cosize(sKV_layout)], 1024
-            ]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
-            sValid: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * self.bn], 16]
-            sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * self.bm], 16]
-            sM: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * self.bm], 16]
-            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 10], 8]
-
-        qk_mma = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            cutlass.Float32, (1, 1, 1), (self.bm, self.bn),
-        )
-        pv_rs = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
-            cutlass.Float32, (1, 1, 1), (self.bm, self.dv_g), warpgroup.OperandSource.RMEM,
-        )
-        pv_ss = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
-            cutlass.Float32, (1, 1, 1), (self.bm, self.dv_g), warpgroup.OperandSource.SMEM,
-        )
+        # sRed double-buffered by item parity; + Q_FULL / Q_EMPTY
+        SharedStorage, qk_mma, pv_rs, pv_ss = self._storage_and_mmas(
+            sQ_layout, sKV_layout, sP_layout, red_floats=4 * self.bm, n_mbar=10)
         n_hb = (H + self.bm - 1) // self.bm
         n_items = B * T * n_hb
         self.kernel(
