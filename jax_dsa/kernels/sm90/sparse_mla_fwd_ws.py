@@ -375,16 +375,13 @@ class SparseMlaFwdWsSm90(SparseMlaFwdTileSm90):
                            sO_layout, sOg_layout, pv_mma, bt, h0, H, cg, gtid, crow, csub, q_ok)
 
     @cute.jit
-    def _epilogue(self, acc_O: cute.Tensor, row_sum: cute.Tensor, row_max: cute.Tensor,
-                  tScS: cute.Tensor, sRed: cute.Tensor, mSink: cute.Tensor, mLse: cute.Tensor,
-                  mO: cute.Tensor, q_base, sO_layout: cute.ComposedLayout,
-                  sOg_layout: cute.ComposedLayout, o_mma: cute.TiledMma, bt: cutlass.Int64,
-                  h0: cutlass.Int32, H: cutlass.Int32, cg: cutlass.Int32, gtid: cutlass.Int32,
-                  crow: cutlass.Int32, csub: cutlass.Int32, q_ok: cutlass.Boolean):
-        """Consumers, after the last block: add the two groups' row sums (through sRed and the
-        consumer barrier), normalise O with the sink in the denominator only, write lse (natural
-        log; -inf on dead rows) for live heads, and store O through shared memory (the Q tile)
-        with 16-byte stores for live heads only. o_mma is the MMA whose C layout acc_O has."""
+    def _normalize(self, acc_O: cute.Tensor, row_sum: cute.Tensor, row_max: cute.Tensor,
+                   tScS: cute.Tensor, sRed: cute.Tensor, red_off, mSink: cute.Tensor,
+                   mLse: cute.Tensor, bt: cutlass.Int64, h0: cutlass.Int32, H: cutlass.Int32,
+                   cg: cutlass.Int32, gtid: cutlass.Int32):
+        """Consumers, after the last block: add the two groups' row sums (through
+        sRed[red_off:] and the consumer barrier), normalise O with the sink in the denominator
+        only, write lse (natural log; -inf on dead rows) for live heads."""
         bm = self.bm
         n_rows = cute.size(tScS, mode=[0])
         l_all = cute.make_rmem_tensor(n_rows, cutlass.Float32)
@@ -392,11 +389,11 @@ class SparseMlaFwdWsSm90(SparseMlaFwdTileSm90):
             l_all[r] = self._quad_allreduce(row_sum[r], lambda a, c: a + c)
         if gtid % 4 == 0:
             for r in cutlass.range_constexpr(n_rows):
-                sRed[cg * bm + tScS[r, 0][0]] = l_all[r]
+                sRed[red_off + cg * bm + tScS[r, 0][0]] = l_all[r]
         cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=self.n_cons)
         for r in cutlass.range_constexpr(n_rows):
             row = tScS[r, 0][0]
-            l_all[r] = sRed[row] + sRed[bm + row]
+            l_all[r] = sRed[red_off + row] + sRed[red_off + bm + row]
         O_mn = self._acc_mn_view(acc_O)
         for r in cutlass.range_constexpr(n_rows):
             l = l_all[r]
@@ -413,6 +410,18 @@ class SparseMlaFwdWsSm90(SparseMlaFwdTileSm90):
                 if l > 0.0:
                     lse = (m_use + cute.math.log2(l)) * LN_2
                 mLse[bt * cutlass.Int64(H) + cutlass.Int64(h)] = lse
+
+    @cute.jit
+    def _epilogue(self, acc_O: cute.Tensor, row_sum: cute.Tensor, row_max: cute.Tensor,
+                  tScS: cute.Tensor, sRed: cute.Tensor, mSink: cute.Tensor, mLse: cute.Tensor,
+                  mO: cute.Tensor, q_base, sO_layout: cute.ComposedLayout,
+                  sOg_layout: cute.ComposedLayout, o_mma: cute.TiledMma, bt: cutlass.Int64,
+                  h0: cutlass.Int32, H: cutlass.Int32, cg: cutlass.Int32, gtid: cutlass.Int32,
+                  crow: cutlass.Int32, csub: cutlass.Int32, q_ok: cutlass.Boolean):
+        """_normalize, then O stored through shared memory (the Q tile) with 16-byte stores for
+        live heads only. o_mma is the MMA whose C layout acc_O has."""
+        bm = self.bm
+        self._normalize(acc_O, row_sum, row_max, tScS, sRed, 0, mSink, mLse, bt, h0, H, cg, gtid)
 
         # O through shared memory (the Q tile is dead: every Q K^T completed before the
         # last in-loop barrier).

@@ -36,7 +36,7 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
 import cuda.bindings.driver as cuda
 
-from jax_dsa.kernels.sm90.common import LN_2, LOG2_E, fwd_fake_args
+from jax_dsa.kernels.sm90.common import LOG2_E, fwd_fake_args
 from jax_dsa.kernels.sm90.sparse_mla_fwd_ws2 import (
     BAR_M0, BAR_M1, BAR_P0, BAR_P1, CONSUMER_BAR, EMPTY_0L, EMPTY_0R, EMPTY_1L, EMPTY_1R,
     FULL_0L, FULL_0R, FULL_1L, FULL_1R, SparseMlaFwdWs2Sm90)
@@ -183,42 +183,16 @@ class SparseMlaFwdWs2pSm90(SparseMlaFwdWs2Sm90):
                          mSink: cute.Tensor, mLse: cute.Tensor, mO: cute.Tensor,
                          bt: cutlass.Int64, h0: cutlass.Int32, H: cutlass.Int32,
                          cg: cutlass.Int32, gtid: cutlass.Int32):
-        """ws's epilogue (row sums of both groups, sink in the denominator only, lse for live
-        heads), with O stored straight from the accumulator registers in 16-bit pairs."""
-        bm = self.bm
-        n_rows = cute.size(tScS, mode=[0])
-        l_all = cute.make_rmem_tensor(n_rows, cutlass.Float32)
-        for r in cutlass.range_constexpr(n_rows):
-            l_all[r] = self._quad_allreduce(row_sum[r], lambda a, c: a + c)
-        if gtid % 4 == 0:
-            for r in cutlass.range_constexpr(n_rows):
-                sRed[red_off + cg * bm + tScS[r, 0][0]] = l_all[r]
-        cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=self.n_cons)
-        for r in cutlass.range_constexpr(n_rows):
-            row = tScS[r, 0][0]
-            l_all[r] = sRed[red_off + row] + sRed[red_off + bm + row]
-        O_mn = self._acc_mn_view(acc_O)
-        for r in cutlass.range_constexpr(n_rows):
-            l = l_all[r]
-            m = row_max[r]
-            m_use = 0.0 if m == -cutlass.Float32.inf else m
-            h = h0 + tScS[r, 0][0]
-            denom = l
-            if h < H:
-                denom = l + cute.math.exp2(mSink[h] * LOG2_E - m_use, fastmath=True)
-            inv = 0.0 if denom <= 0.0 else 1.0 / denom
-            O_mn[r, None] = O_mn[r, None].load() * inv
-            if cg == 0 and gtid % 4 == 0 and h < H:
-                lse = -cutlass.Float32.inf
-                if l > 0.0:
-                    lse = (m_use + cute.math.log2(l)) * LN_2
-                mLse[bt * cutlass.Int64(H) + cutlass.Int64(h)] = lse
+        """ws's _normalize (row sums of both groups, sink in the denominator only, lse for live
+        heads), then O stored straight from the accumulator registers in 16-bit pairs."""
+        self._normalize(acc_O, row_sum, row_max, tScS, sRed, red_off, mSink, mLse, bt, h0, H,
+                        cg, gtid)
         rO = cute.make_fragment_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         rO_mn = self._acc_mn_view(rO)
         pair = cute.make_rmem_tensor(2, self.dtype)
         st2 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32)
-        for r in cutlass.range_constexpr(n_rows):
+        for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
             h = h0 + tOcO[r, 0][0]
             if h < H:
                 o_row = bt * cutlass.Int64(H) + cutlass.Int64(h)
