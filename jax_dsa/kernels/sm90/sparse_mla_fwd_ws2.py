@@ -105,14 +105,8 @@ EMPTY_0L, EMPTY_0R, EMPTY_1L, EMPTY_1R = 4, 5, 6, 7
 
 
 class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
-    def __init__(self, dtype, d_qk: int, d_v: int = 512, early_idx: bool = False):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512):
         super().__init__(dtype, d_qk, d_v)
-        # early_idx (experimental "ws2e"): the producer loads the first pair's indices first
-        # thing, for all j < K, and applies topk_length afterwards, so that the token's chain
-        # topk_length -> indices -> first fill loses one global-load latency (ncu of v6 at
-        # K=128: 4 % of the stall samples waited for topk_length). Indices past topk_length are
-        # read from idx (in bounds); their kv rows never are.
-        self.early_idx = early_idx
         self.bn_g = self.bn  # each owner scores all 64 keys of its block
         self.half_chunks = self.dv_g // 8  # 16-byte chunks of the L half (32)
         self.k_half = self.dv_g // 16  # k16 steps of Q K^T over the L half (16)
@@ -213,7 +207,7 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
     def _produce(self, mKV: cute.Tensor, mIdx: cute.Tensor, sValid: cute.Tensor, kv_sw,
                  sKV_layout: cute.Layout, mbar, n_blocks: cutlass.Int32, k_eff: cutlass.Int32,
                  S: cutlass.Int32, idx_base: cutlass.Int64, kv_batch: cutlass.Int64,
-                 ptid: cutlass.Int32, early0: cute.Tensor = None, early1: cute.Tensor = None):
+                 ptid: cutlass.Int32):
         """Per pair m: fills 0L, 1R, 0R, 1L (stage 1 only when block 2m+1 exists), each after
         the matching empty barrier of the previous pair. One code site for the four fills
         (run-time stage / half) keeps the swizzled chunk addresses in few registers."""
@@ -230,30 +224,16 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
             self.dtype,
             num_bits_per_copy=128,
         )
+        cur0 = cute.make_rmem_tensor(npass, cutlass.Int32)
+        cur1 = cute.make_rmem_tensor(npass, cutlass.Int32)
         n_pairs = (n_blocks + 1) // 2
-        if cutlass.const_expr(self.early_idx):
-            cur0, cur1 = early0, early1  # pair 0's indices, loaded at the CTA start
-        else:
-            cur0 = cute.make_rmem_tensor(npass, cutlass.Int32)
-            cur1 = cute.make_rmem_tensor(npass, cutlass.Int32)
         for m in range(n_pairs):
             has1 = 2 * m + 1 < n_blocks
             ph = (m + 1) % 2  # parity of the previous pair's release
             # This pair's indices (their latency hides behind the first empty wait; loading
             # them a pair ahead, candidate "ws2i", measured no faster: git history).
-            if cutlass.const_expr(self.early_idx):
-                if m == 0:
-                    for p in cutlass.range_constexpr(npass):
-                        if prow + self.p_rows * p >= k_eff:
-                            cur0[p] = -1
-                        if self.bn + prow + self.p_rows * p >= k_eff:
-                            cur1[p] = -1
-                else:
-                    self._load_idx(mIdx, cur0, 2 * m, k_eff, idx_base, prow)
-                    self._load_idx(mIdx, cur1, 2 * m + 1, k_eff, idx_base, prow)
-            else:
-                self._load_idx(mIdx, cur0, 2 * m, k_eff, idx_base, prow)
-                self._load_idx(mIdx, cur1, 2 * m + 1, k_eff, idx_base, prow)
+            self._load_idx(mIdx, cur0, 2 * m, k_eff, idx_base, prow)
+            self._load_idx(mIdx, cur1, 2 * m + 1, k_eff, idx_base, prow)
             for q in range(4):
                 stage, is_r = self._fill_half(q)
                 if stage == 0 or has1:
@@ -372,16 +352,6 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
         wg = tidx // 128
         h0 = hb * bm
         bt = cutlass.Int64(b) * cutlass.Int64(T) + cutlass.Int64(t)
-        early0 = None
-        early1 = None
-        if cutlass.const_expr(self.early_idx):
-            # the producer's pair-0 indices, issued before the topk_length load
-            early0 = cute.make_rmem_tensor(self.p_passes, cutlass.Int32)
-            early1 = cute.make_rmem_tensor(self.p_passes, cutlass.Int32)
-            if wg == 0:
-                e_row = tidx // self.p_tpr
-                self._load_idx(mIdx, early0, 0, K, bt * cutlass.Int64(K), e_row)
-                self._load_idx(mIdx, early1, 1, K, bt * cutlass.Int64(K), e_row)
         k_eff = cutlass.min(K, cutlass.max(mLen[bt], 0))
         n_blocks = (k_eff + bn - 1) // bn
         n_pairs = (n_blocks + 1) // 2
@@ -410,7 +380,7 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
             # ================================ producer =================================
             cute.arch.setmaxregister_decrease(self.prod_regs)
             self._produce(mKV, mIdx, sValid, kv_sw, sKV_layout, mbar, n_blocks, k_eff, S,
-                          idx_base, kv_batch, tidx, early0, early1)
+                          idx_base, kv_batch, tidx)
         else:
             # ================================ consumers ================================
             cute.arch.setmaxregister_increase(self.cons_regs)
@@ -653,8 +623,7 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                            sO_layout, sOg_layout, pv_rs, bt, h0, H, cg, gtid, crow, csub, q_ok)
 
 
-def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512, early_idx: bool = False):
+def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512):
     """Compile with shape-only tensors (common.fwd_fake_args)."""
-    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v, early_idx),
-                        *fwd_fake_args(dtype, d_qk, d_v))
+    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v), *fwd_fake_args(dtype, d_qk, d_v))
 
