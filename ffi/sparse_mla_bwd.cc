@@ -11,11 +11,7 @@
 //          o [B, T, H, 512] (the forward's, dtype of q), coef [B, T, H, 2] f32 (c, dlse)
 //   attrs: scale (f32)
 //   rets:  dq [B, T, H, Dqk] (dtype of q), dkv [B, S, Dqk] f32, delta [B, T, H] f32
-//          (rowsum(do * o), for the caller's sink gradient), dq_parts [n_tail, n_split, H, Dqk]
-//          f32: the last n_tail flattened tokens are each split into n_split CTAs over their
-//          blocks (the last wave's split, jax_dsa._native.bwd_tail_split); their dq rows are
-//          left unwritten and each piece stores its fp32 partial here for the caller to sum
-//          (n_tail = 0: no split)
+//          (rowsum(do * o), for the caller's sink gradient)
 //
 // The deterministic handler takes three more int32 args, per chunk of tokens the entries sorted
 // by kv row (order, seg_end, rows; see jax_dsa._native.det_entry_order), and returns a fourth
@@ -50,12 +46,10 @@ namespace {
 // Kernel launch arguments in the kernel's flattened form. A launch covers the flattened tokens
 // t_begin .. t_begin + n_tok - 1; dkv is dkv itself (rows_dkv = B * S) or, deterministic, the
 // workspace.
-// n_whole of the n_tok tokens run whole; each of the others runs as n_split pieces that store
-// fp32 dq partials to dq_parts (n_dq_parts floats).
 struct BwdArgs {
-  void *q, *kv, *idx, *len, *lse, *dout, *o, *coef, *dq, *dkv, *delta, *dq_parts;
-  int64_t rows_q, rows_kv, n_idx, n_tok_all, n_coef, rows_dkv, n_dq_parts;
-  int32_t B, T, H, S, K, t_begin, n_tok, n_whole, n_split;
+  void *q, *kv, *idx, *len, *lse, *dout, *o, *coef, *dq, *dkv, *delta;
+  int64_t rows_q, rows_kv, n_idx, n_tok_all, n_coef, rows_dkv;
+  int32_t B, T, H, S, K, t_begin, n_tok;
   float scale;
 };
 
@@ -86,12 +80,10 @@ struct ReduceArgs {
       PREFIX##_Tensor_mDQ_t dq{a.dq, {a.rows_q}};                                 \
       PREFIX##_Tensor_mDKV_t dkv{a.dkv, {a.rows_dkv}};                            \
       PREFIX##_Tensor_mDelta_t delta{a.delta, {a.rows_q}};                        \
-      PREFIX##_Tensor_mDQP_t dq_parts{a.dq_parts, {a.n_dq_parts}};                \
       return cute_dsl_##PREFIX##_wrapper(&module(), &q, &kv, &idx, &len, &lse,    \
                                          &dout, &o, &coef, &dq, &dkv, &delta,     \
-                                         &dq_parts, a.B, a.T, a.H, a.S, a.K,      \
-                                         a.t_begin, a.n_tok, a.n_whole,           \
-                                         a.n_split, a.scale, s);                  \
+                                         a.B, a.T, a.H, a.S, a.K, a.t_begin,      \
+                                         a.n_tok, a.scale, s);                    \
     }                                                                             \
   };
 JAX_DSA_BWD_SPECS(JAX_DSA_BWD_SPEC)
@@ -217,8 +209,6 @@ std::string CheckBwd(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer idx,
   a->dq = dq->untyped_data();
   a->dkv = dkv->untyped_data();
   a->delta = delta->untyped_data();
-  a->dq_parts = nullptr;  // no split unless the caller asks for one (SparseMlaBwd)
-  a->n_dq_parts = 0;
   a->rows_q = B * T * H;
   a->rows_kv = B * S;
   a->n_idx = B * T * K;
@@ -232,29 +222,7 @@ std::string CheckBwd(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer idx,
   a->K = static_cast<int32_t>(K);
   a->t_begin = 0;
   a->n_tok = static_cast<int32_t>(B * T);
-  a->n_whole = a->n_tok;
-  a->n_split = 1;
   a->scale = scale;
-  return std::string();
-}
-
-// dq_parts [n_tail, n_split, H, Dqk] f32 asks for the last n_tail tokens to run as n_split
-// pieces each (1 <= n_split <= the token's ceil(K / 64) blocks; n_tail = 0: no split).
-std::string CheckTailSplit(const Extents& x, ffi::Result<ffi::AnyBuffer>& dq_parts, BwdArgs* a) {
-  auto d = dq_parts->dimensions();
-  if (dq_parts->element_type() != ffi::DataType::F32 || d.size() != 4 || d[2] != x.H ||
-      d[3] != x.D)
-    return "dq_parts must be float32 [n_tail, n_split, H, Dqk], got " + Dims(d);
-  const int64_t n_tail = d[0], n_split = d[1], n_blocks = (x.K + 63) / 64;
-  if (n_tail > x.B * x.T || (n_tail > 0 && (n_split < 1 || n_split > n_blocks)))
-    return "dq_parts [n_tail, n_split, ...] needs n_tail <= B * T and 1 <= n_split <= "
-           "ceil(K / 64), got " + Dims(d);
-  if (n_tail > 0) {
-    a->n_whole = static_cast<int32_t>(x.B * x.T - n_tail);
-    a->n_split = static_cast<int32_t>(n_split);
-    a->dq_parts = dq_parts->untyped_data();
-    a->n_dq_parts = n_tail * n_split * x.H * x.D;
-  }
   return std::string();
 }
 
@@ -277,14 +245,12 @@ ffi::Error SparseMlaBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                         ffi::AnyBuffer kv, ffi::AnyBuffer idx, ffi::AnyBuffer topk_length,
                         ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer o,
                         ffi::AnyBuffer coef, float scale, ffi::Result<ffi::AnyBuffer> dq,
-                        ffi::Result<ffi::AnyBuffer> dkv, ffi::Result<ffi::AnyBuffer> delta,
-                        ffi::Result<ffi::AnyBuffer> dq_parts) {
+                        ffi::Result<ffi::AnyBuffer> dkv, ffi::Result<ffi::AnyBuffer> delta) {
   const char* op = "sparse_mla_bwd";
   Extents x{};
   BwdArgs a;
   std::string problem =
       CheckBwd(q, kv, idx, topk_length, lse, dout, o, coef, scale, dq, dkv, delta, &x, &a);
-  if (problem.empty()) problem = CheckTailSplit(x, dq_parts, &a);
   if (!problem.empty()) return ffi::Error::InvalidArgument(std::string("jax_dsa ") + op + ": " + problem);
   LaunchFn launch = FindBwd(false, q.element_type() == ffi::DataType::BF16, x.D);
   if (launch == nullptr)
@@ -351,7 +317,6 @@ ffi::Error SparseMlaBwdDeterministic(cudaStream_t stream, int32_t device, ffi::A
     const int64_t t_begin = c * chunk, count = std::min(chunk, n_tok - t_begin);
     a.t_begin = static_cast<int32_t>(t_begin);
     a.n_tok = static_cast<int32_t>(count);
-    a.n_whole = a.n_tok;  // no split in deterministic mode
     if (ffi::Error e = LaunchStatus(op, launch(a, stream)); e.failure()) return e;
     const int64_t pos0 = c * chunk * x.K;
     r.order = static_cast<int32_t*>(order.untyped_data()) + pos0;
@@ -382,8 +347,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaSparseMlaBwdSm90, jax_dsa::SparseMlaBwd,
                                   .Attr<float>("scale")
                                   .Ret<ffi::AnyBuffer>()  // dq
                                   .Ret<ffi::AnyBuffer>()  // dkv
-                                  .Ret<ffi::AnyBuffer>()  // delta
-                                  .Ret<ffi::AnyBuffer>(),  // dq_parts
+                                  .Ret<ffi::AnyBuffer>(),  // delta
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaSparseMlaBwdDeterministicSm90,

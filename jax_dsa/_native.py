@@ -151,59 +151,29 @@ def has_backward(deterministic: bool = False) -> bool:
         return False
 
 
-def bwd_tail_split(n_tok: int, heads: int, k: int, sm_count: int | None = None):
-    """(n_tail, n_split): how the backward splits the tokens of its last, partial wave.
-
-    The backward runs one CTA per (token, 64-head block), all of about the same length, one per
-    SM. When the item count is not a multiple of the SM count, the last wave runs `rem` CTAs
-    while the other SMs idle (at T = 4096 and H <= 64: 4 CTAs, ~3 % of the time). So the last
-    n_tail tokens (those of the partial wave) run as n_split CTAs each, over consecutive ranges
-    of their ceil(K / 64) blocks, which fills the SMs with short pieces; each piece stores an
-    fp32 dq partial that sparse_mla_bwd sums. (0, 1): no split (no partial wave, a single block
-    per token, or fewer than 2 pieces per token fit in a wave). Static: shapes only; the SM count
-    defaults to the H200's.
-    """
-    sm_count = _SM_COUNT if sm_count is None else sm_count
-    n_hb = -(-heads // 64)
-    n_blocks = -(-k // 64)
-    rem = (n_tok * n_hb) % sm_count
-    if rem == 0 or n_blocks < 2 or n_tok + sm_count >= 2**31:
-        return 0, 1
-    n_tail = min(n_tok, -(-rem // n_hb))
-    n_split = min(n_blocks, sm_count // (n_tail * n_hb))
-    if n_split < 2:
-        return 0, 1
-    per_piece = -(-n_blocks // n_split)
-    return n_tail, -(-n_blocks // per_piece)  # no empty trailing piece
-
-
 def sparse_mla_bwd(q, kv, idx, topk_length, lse, do, o, coef, scale):
     """Backward on the CUDA kernels: (dq [B, T, H, Dqk] q.dtype, dkv [B, S, Dqk] float32,
     delta [B, T, H] float32 = rowsum(do * o)).
 
     lse [B, T, H] float32 and o [B, T, H, 512] (the forward's; lse -inf on dead rows),
     do [B, T, H, 512], coef [B, T, H, 2] float32 = (c, dlse) per row (see jax_dsa._core). dkv is
-    the fp32 accumulator (zero-filled by the handler); the caller casts it. The last wave's
-    tokens are split over several CTAs (bwd_tail_split); their dq is the sum of the pieces'
-    fp32 partials (at most 132 x H x Dqk floats), done here.
+    the fp32 accumulator (zero-filled by the handler); the caller casts it.
     """
     lib = load()
     if any(d.platform == "gpu" for d in jax.devices()):
         _ensure_modules_loaded(lib)
     B, T, H, D = q.shape
     S = kv.shape[1]
-    n_tail, n_split = bwd_tail_split(B * T, H, idx.shape[2])
     call = jax.ffi.ffi_call(
         BWD_TARGET,
         (
             jax.ShapeDtypeStruct((B, T, H, D), q.dtype),
             jax.ShapeDtypeStruct((B, S, D), jnp.float32),
             jax.ShapeDtypeStruct((B, T, H), jnp.float32),  # delta
-            jax.ShapeDtypeStruct((n_tail, n_split, H, D), jnp.float32),  # dq partials
         ),
         vmap_method="sequential",
     )
-    dq, dkv, delta, dq_parts = call(
+    return call(
         q,
         kv,
         jnp.asarray(idx, jnp.int32),
@@ -214,15 +184,6 @@ def sparse_mla_bwd(q, kv, idx, topk_length, lse, do, o, coef, scale):
         jnp.asarray(coef, jnp.float32),
         scale=np.float32(scale),
     )
-    if n_tail:
-        from jax import lax
-        tail = jnp.sum(dq_parts, axis=1).astype(q.dtype)
-        # The barrier keeps XLA's dynamic-slice fusion from folding this update into the FFI
-        # call whose other output it reads (jax 0.11.2 / CUDA: "a cycle is detected").
-        dq = lax.optimization_barrier(dq).reshape(B * T, H, D)
-        dq = lax.dynamic_update_slice_in_dim(dq, tail, B * T - n_tail, axis=0)
-        dq = dq.reshape(B, T, H, D)
-    return dq, dkv, delta
 
 
 # ---------------------------------------------------------------- deterministic backward

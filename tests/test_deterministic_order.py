@@ -1,6 +1,5 @@
-"""The backward's host-side bookkeeping (pure JAX, runs on the CPU): the deterministic mode's
-per-chunk sort of entries by destination kv row and workspace chunk size, and the split of the
-last wave's tokens."""
+"""The deterministic backward's host-side bookkeeping (pure JAX, runs on the CPU): the per-chunk
+sort of entries by destination kv row and the workspace chunk size."""
 import numpy as np
 import pytest
 
@@ -47,27 +46,3 @@ def test_chunk_tokens_fit_the_workspace_budget():
   for h in (1, 64, 100, 128):
     tc = _native.det_chunk_tokens(1 << 20, 2048, 576, h)
     assert tc * 2048 * (-(-h // 64)) * 576 * 4 <= _native.DET_WORKSPACE_BYTES
-
-
-def test_tail_split_fills_the_last_wave():
-  # T = 4096 on 132 SMs: 31 waves + 4 CTAs at H <= 64 (8 at H = 128, two head blocks), so the
-  # last 4 tokens run as one piece per 64-key block.
-  assert _native.bwd_tail_split(4096, 64, 640) == (4, 10)
-  assert _native.bwd_tail_split(4096, 16, 1152) == (4, 18)
-  assert _native.bwd_tail_split(4096, 128, 640) == (4, 10)
-  assert _native.bwd_tail_split(5, 8, 640) == (5, 10)  # fewer tokens than SMs: all split
-  assert _native.bwd_tail_split(5, 8, 640, sm_count=20) == (5, 4)  # 3, 3, 3, 1 blocks
-  # nothing to split: whole waves, one block per token, or < 2 pieces per token fit
-  assert _native.bwd_tail_split(132 * 31, 64, 640) == (0, 1)
-  assert _native.bwd_tail_split(4096, 64, 64) == (0, 1)
-  assert _native.bwd_tail_split(100, 64, 640) == (0, 1)
-  for n_tok in (1, 7, 131, 133, 4096, 70000):
-    for h in (1, 64, 100, 128):
-      for k in (65, 640, 2048):
-        n_tail, n_split = _native.bwd_tail_split(n_tok, h, k)
-        n_hb, n_blocks = -(-h // 64), -(-k // 64)
-        assert 0 <= n_tail <= n_tok and 1 <= n_split <= n_blocks
-        if n_tail:
-          per_piece = -(-n_blocks // n_split)
-          assert (n_split - 1) * per_piece < n_blocks  # no empty piece
-          assert n_tail * n_split * n_hb <= 132  # the pieces fit in one wave

@@ -79,44 +79,6 @@ def test_backward_kernel_matches_oracle_and_reference(case):
   np.testing.assert_array_equal(np.asarray(got[0], np.float32)[0, 0], 0.0)  # dead row
 
 
-# The last wave's split (jax_dsa._native.bwd_tail_split), with whole tokens next to split ones:
-# (SM count, B, T, H, Dqk, S, K, expected (n_tail, n_split)). The first case is the split the
-# H200 runs at these shapes; the others use a smaller SM count to get pieces of unequal length
-# (3, 3, 3, 1 blocks; 5, 5, 5, 3 with two head blocks; 2, 2, 2 at Dqk 576), and ragged
-# topk_length leaves some pieces without any block.
-SPLIT_CASES = [
-    (132, 1, 140, 16, 512, 4096, 640, (8, 10)),
-    (16, 1, 20, 64, 512, 2000, 640, (4, 4)),
-    (8, 1, 9, 100, 576, 3000, 1152, (1, 4)),
-    (6, 2, 10, 8, 576, 500, 384, (2, 3)),
-]
-
-
-@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: "sm{}B{}T{}H{}D{}K{}".format(
-    *c[:5], c[6]))
-def test_backward_tail_split_matches_oracle(case, monkeypatch):
-  _kernel_or_skip()
-  from jax_dsa import _native
-  sm, b, t, h, d, s, k, plan = case
-  monkeypatch.setattr(_native, "_SM_COUNT", sm)
-  assert _native.bwd_tail_split(b * t, h, k) == plan
-  rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
-  p = make_problem(rng, b, t, h, d, s, k, sink=True, topk="partial")
-  w_o = rng.standard_normal((b, t, h, 512)).astype(np.float32)
-  w_lse = rng.standard_normal((b, t, h)).astype(np.float32)
-  q, kv, got = _grads(p, jnp.bfloat16, "cute", w_o, w_lse)
-  want = oracle.dense_grads(np.asarray(q, np.float32), np.asarray(kv, np.float32), p.idx,
-                            p.lengths, p.sink, p.scale, 512, w_o, w_lse)
-  for name, g, w in zip(("dq", "dkv", "dsink"), got, want):
-    g = np.asarray(g, np.float32)
-    assert np.all(np.isfinite(g)), name
-    assert rel_err(g, w) < 2e-2, (name, "vs oracle", rel_err(g, w))
-    if name == "dq":  # the split tokens alone (the last n_tail flattened tokens)
-      tail = g.reshape(b * t, h, d)[-plan[0]:]
-      want_tail = np.asarray(w, np.float32).reshape(b * t, h, d)[-plan[0]:]
-      assert rel_err(tail, want_tail) < 2e-2, ("dq of the split tokens", rel_err(tail, want_tail))
-
-
 @pytest.mark.parametrize("h,d", [(24, 576), (100, 512)], ids=["H24D576", "H100D512"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_backward_never_writes_outside_valid_rows(deterministic, h, d, monkeypatch):

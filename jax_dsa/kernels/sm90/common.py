@@ -86,17 +86,16 @@ def fwd_fake_args(dtype, d_qk: int, d_v: int):
 def bwd_fake_args(dtype, d_qk: int, d_v: int):
     """Backward: q, kv, idx, topk_length, lse (B*T*H,), do and o (B*T*H, d_v), coef (B*T*H*2,),
     dq (B*T*H, Dqk), dkv float32 (B*S rows, or the deterministic workspace's rows, x Dqk),
-    delta float32 (B*T*H,), the split tail tokens' dq partials float32 (flat), then B, T, H, S,
-    K, t_begin, n_tok, n_whole, n_split, scale and the stream."""
-    rows_q, rows_kv, n_idx, n_tok, n_coef, rows_dkv, n_dqp = (cute.sym_int64() for _ in range(7))
+    delta float32 (B*T*H,), then B, T, H, S, K, t_begin, n_tok, scale and the stream."""
+    rows_q, rows_kv, n_idx, n_tok, n_coef, rows_dkv = (cute.sym_int64() for _ in range(6))
     i32 = cutlass.Int32(1)
     return (
         _rows(dtype, rows_q, d_qk), _rows(dtype, rows_kv, d_qk), _vec(cutlass.Int32, n_idx),
         _vec(cutlass.Int32, n_tok), _vec(cutlass.Float32, rows_q), _rows(dtype, rows_q, d_v),
         _rows(dtype, rows_q, d_v), _vec(cutlass.Float32, n_coef, align=8),
         _rows(dtype, rows_q, d_qk), _rows(cutlass.Float32, rows_dkv, d_qk),
-        _vec(cutlass.Float32, rows_q), _vec(cutlass.Float32, n_dqp, align=16),
-        i32, i32, i32, i32, i32, i32, i32, i32, i32, cutlass.Float32(1.0), make_fake_stream(),
+        _vec(cutlass.Float32, rows_q), i32, i32, i32, i32, i32, i32, i32,
+        cutlass.Float32(1.0), make_fake_stream(),
     )
 
 

@@ -22,16 +22,9 @@ n_tok * K * n_hb rows (n_hb = ceil(H / 64)); the contribution of entry j of toke
 block hb is stored, all Dqk columns, at row ((bt - t_begin) * K + j) * n_hb + hb. Invalid entries
 store nothing. sparse_mla_dkv_reduce.py then sums each kv row's contributions in a fixed order.
 
-Grid: x = the n_tok tokens starting at t_begin (bt = t_begin + token, b = bt // T), y = the
-ceil(H / 64) head blocks. CTAs x < n_whole take token x whole. Each of the other n_tok - n_whole
-tokens (the last wave's, jax_dsa._native.bwd_tail_split) is split over n_split CTAs that take
-consecutive ranges of its ceil(K / 64) blocks: short CTAs that fill the SMs instead of a few
-whole ones running alone at the end. A piece adds to dkv like a whole CTA, writes the same delta,
-and stores its fp32 dQ partial to mDQP (rows ((token - n_whole) * n_split + piece) * H + h, live
-heads only); the caller sums the pieces (the deterministic mode never splits).
-
-256 threads = 2 warpgroups with different roles (launched with min_blocks_per_mp=1, so each
-thread may use up to 255 registers):
+Grid: x = n_tok tokens starting at t_begin (bt = t_begin + blockIdx.x, b = bt // T), y = the
+ceil(H / 64) head blocks. 256 threads = 2 warpgroups with different roles (launched with
+min_blocks_per_mp=1, so each thread may use up to 255 registers):
 
   prologue (both groups): Q and dO rows to smem (cp.async), the first block's gather, the o rows
       to registers; delta per head row (4 threads each, quad shuffle) to smem and global
@@ -161,7 +154,7 @@ DS_EMPTY = 2
 
 class SparseMlaBwdWgmmaSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                 wg0_chunks: int | None = None):
+                 wg0_chunks: int | None = None, early_idx: bool = False):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -195,6 +188,11 @@ class SparseMlaBwdWgmmaSm90:
             wg0_chunks = 4 if d_qk == 512 else 3
         assert 0 <= wg0_chunks < self.n_ch
         self.wg0_chunks = wg0_chunks
+        # early_idx (experimental "wge"): load block 0's indices first thing, for all j < K,
+        # and apply topk_length afterwards, so that the prologue's chain topk_length -> indices
+        # -> first gather loses one global-load latency (the indices past topk_length are read
+        # from idx, which is in bounds, but their kv rows never are).
+        self.early_idx = early_idx
 
 
     # ---------------------------------------------------------------- host side
@@ -212,7 +210,6 @@ class SparseMlaBwdWgmmaSm90:
         mDQ: cute.Tensor,
         mDKV: cute.Tensor,
         mDelta: cute.Tensor,
-        mDQP: cute.Tensor,
         B: cutlass.Int32,
         T: cutlass.Int32,
         H: cutlass.Int32,
@@ -220,8 +217,6 @@ class SparseMlaBwdWgmmaSm90:
         K: cutlass.Int32,
         t_begin: cutlass.Int32,
         n_tok: cutlass.Int32,
-        n_whole: cutlass.Int32,
-        n_split: cutlass.Int32,
         scale: cutlass.Float32,
         stream: cuda.CUstream,
     ):
@@ -262,15 +257,15 @@ class SparseMlaBwdWgmmaSm90:
 
         n_hb = (H + self.bm - 1) // self.bm
         self.kernel(
-            mQ, mKV, mIdx, mLen, mLse, mDO, mO, mCoef, mDQ, mDKV, mDelta, mDQP, T, H, S, K,
-            t_begin, n_whole, n_split, n_hb,
+            mQ, mKV, mIdx, mLen, mLse, mDO, mO, mCoef, mDQ, mDKV, mDelta, T, H, S, K, t_begin,
+            n_hb,
             scale,
             k_atom.inner, sQ_layout.outer, sDO_layout.outer, sKV_layout.outer,
             sT_layout.outer, sKt_layout.outer, sTt_layout.outer,
             sO_layout, sOh_layout, sOr_layout,
             sdp_mma, dq0_mma, dq1_mma, dqr_mma, dkv_mma, SharedStorage,
         ).launch(
-            grid=[n_whole + (n_tok - n_whole) * n_split, n_hb, 1],
+            grid=[n_tok, n_hb, 1],
             block=[self.threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             min_blocks_per_mp=1,
@@ -368,14 +363,11 @@ class SparseMlaBwdWgmmaSm90:
         mDQ: cute.Tensor,
         mDKV: cute.Tensor,
         mDelta: cute.Tensor,
-        mDQP: cute.Tensor,
         T: cutlass.Int32,
         H: cutlass.Int32,
         S: cutlass.Int32,
         K: cutlass.Int32,
         t_begin: cutlass.Int32,
-        n_whole: cutlass.Int32,
-        n_split: cutlass.Int32,
         n_hb: cutlass.Int32,
         scale: cutlass.Float32,
         swz: cute.Swizzle,
@@ -398,32 +390,20 @@ class SparseMlaBwdWgmmaSm90:
         bm, bn = self.bm, self.bn
         d_qk, d_v = self.d_qk, self.d_v
         tidx, _, _ = cute.arch.thread_idx()
-        cta, hb, _ = cute.arch.block_idx()
+        tok, hb, _ = cute.arch.block_idx()
         wg = tidx // 128
         gtid = tidx % 128
         h0 = hb * bm
-        # CTAs [0, n_whole) take one token each; the rest take one of n_split pieces of the
-        # blocks of a tail token (see the module docstring: the last wave's split).
-        is_piece = cta >= n_whole
-        rel = cutlass.max(cta - n_whole, 0)
-        tok = cutlass.select_(is_piece, n_whole + rel // n_split, cta)
-        piece = rel % n_split
-        n_blk_all = (K + bn - 1) // bn
-        per_piece = (n_blk_all + n_split - 1) // n_split
-        b_first = cutlass.select_(is_piece, piece * per_piece, 0)
         bt32 = t_begin + tok
         bt = cutlass.Int64(bt32)
         b = bt32 // T
+        k_eff = cutlass.min(K, cutlass.max(mLen[bt], 0))
+        n_blocks = (k_eff + bn - 1) // bn
         idx_base = bt * cutlass.Int64(K)
         kv_batch = cutlass.Int64(b) * cutlass.Int64(S)
-        # The first block's indices are loaded before topk_length is known (for all j < K; past
-        # topk_length they are masked below and their kv rows never read), so that the chain
-        # topk_length -> indices -> first gather loses one global-load latency.
-        grow, gsub, idx_r = self._gather_mapping(gtid)
-        self._load_idx(mIdx, idx_r, b_first, K, idx_base, grow)
-        k_eff = cutlass.min(K, cutlass.max(mLen[bt], 0))
-        n_blocks = cutlass.max((k_eff + bn - 1) // bn - b_first, 0)
-        n_blocks = cutlass.select_(is_piece, cutlass.min(n_blocks, per_piece), n_blocks)
+        if cutlass.const_expr(self.early_idx):
+            grow, gsub, idx_r = self._gather_mapping(gtid)
+            self._load_idx(mIdx, idx_r, 0, K, idx_base, grow)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -474,9 +454,13 @@ class SparseMlaBwdWgmmaSm90:
         cute.arch.sync_threads()  # mbarrier inits visible before any arrive
 
         # ---- block 0's indices and gather --------------------------------------------------
-        for p in cutlass.range_constexpr(self.g_passes):
-            if b_first * bn + grow + self.g_rows * p >= k_eff:
-                idx_r[p] = -1
+        if cutlass.const_expr(self.early_idx):
+            for p in cutlass.range_constexpr(self.g_passes):
+                if grow + self.g_rows * p >= k_eff:
+                    idx_r[p] = -1
+        else:
+            grow, gsub, idx_r = self._gather_mapping(gtid)
+            self._load_idx(mIdx, idx_r, 0, k_eff, idx_base, grow)
         if n_blocks > 0:
             if wg == 0:
                 self._gather(mKV, sKV, cp_atom, idx_r, S, kv_batch, grow, gsub, 0,
@@ -522,9 +506,6 @@ class SparseMlaBwdWgmmaSm90:
 
         # live heads of this CTA -> dKV k-steps (K = heads)
         hl = cutlass.min(H - h0, bm)
-        # a piece's fp32 dQ partial: rows ((tok - n_whole) * n_split + piece) * H + h of mDQP
-        part_row0 = (cutlass.Int64((tok - n_whole) * n_split + piece) * cutlass.Int64(H)
-                     + cutlass.Int64(h0))
         kh = (hl + 15) // 16
 
         if wg == 0:
@@ -582,7 +563,7 @@ class SparseMlaBwdWgmmaSm90:
             for blk in range(n_blocks):
                 slot = blk % 2
                 # next block's indices now; their latency hides behind the MMAs
-                self._load_idx(mIdx, idx_r, b_first + blk + 1, k_eff, idx_base, grow)
+                self._load_idx(mIdx, idx_r, blk + 1, k_eff, idx_base, grow)
                 cute.arch.mbarrier_wait(mbar + KV_FULL, blk % 2)
                 cute.arch.fence_proxy("async.shared", space="cta")
 
@@ -643,23 +624,20 @@ class SparseMlaBwdWgmmaSm90:
                 # block's are written only after this, in program order)
                 if cutlass.const_expr(self.wg0_chunks > 0):
                     self._dkv_block(dkv_mma, gtid, ds_sw, p_sw, q_sw, do_sw, sTt_layout, sRow,
-                                    slot, b_first + blk, bt32, t_begin, K, kv_batch, hb, n_hb,
-                                    kh, scale, mDKV, 0, self.wg0_chunks)
+                                    slot, blk, bt32, t_begin, K, kv_batch, hb, n_hb, kh, scale,
+                                    mDKV, 0, self.wg0_chunks)
 
-            # dQ staging (after the final CTA barrier below), or a piece's fp32 partial
+            # dQ staging (after the final CTA barrier below)
             cute.arch.sync_threads()
             if cutlass.const_expr(not self.fold_scale):
                 acc_dQ.store(acc_dQ.load() * scale)
-            if is_piece:
-                self._store_partial(thr_dq, acc_dQ, mDQP, part_row0, hl, 0, self.split_col)
-            else:
-                r2s_o0 = cute.make_tiled_copy_C(
-                    cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), dq0_mma
-                ).get_slice(gtid)
-                rdQ0 = cute.make_fragment_like(acc_dQ, self.dtype)
-                rdQ0.store(acc_dQ.load().to(self.dtype))
-                sdQ0 = cute.make_tensor(q_base, sOh_layout)
-                cute.copy(r2s_o0, r2s_o0.retile(rdQ0), r2s_o0.partition_D(sdQ0))
+            r2s_o0 = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), dq0_mma
+            ).get_slice(gtid)
+            rdQ0 = cute.make_fragment_like(acc_dQ, self.dtype)
+            rdQ0.store(acc_dQ.load().to(self.dtype))
+            sdQ0 = cute.make_tensor(q_base, sOh_layout)
+            cute.copy(r2s_o0, r2s_o0.retile(rdQ0), r2s_o0.partition_D(sdQ0))
         else:
             # ===================================== WG1 =====================================
             thr_dq = dq1_mma.get_slice(gtid)
@@ -685,7 +663,7 @@ class SparseMlaBwdWgmmaSm90:
 
             for blk in range(n_blocks):
                 slot = blk % 2
-                self._load_idx(mIdx, idx_r, b_first + blk + 1, k_eff, idx_base, grow)
+                self._load_idx(mIdx, idx_r, blk + 1, k_eff, idx_base, grow)
                 cute.arch.mbarrier_wait(mbar + DS_FULL, blk % 2)
                 cute.arch.mbarrier_wait(mbar + KV_FULL, blk % 2)
                 cute.arch.fence_proxy("async.shared", space="cta")
@@ -711,39 +689,32 @@ class SparseMlaBwdWgmmaSm90:
 
                 # dKV chunks [wg0_chunks, n_ch) of this block
                 self._dkv_block(dkv_mma, gtid, ds_sw, p_sw, q_sw, do_sw, sTt_layout, sRow, slot,
-                                b_first + blk, bt32, t_begin, K, kv_batch, hb, n_hb, kh, scale,
-                                mDKV, self.wg0_chunks, self.n_ch)
+                                blk, bt32, t_begin, K, kv_batch, hb, n_hb, kh, scale, mDKV,
+                                self.wg0_chunks, self.n_ch)
                 # this block's P / dS tiles and sRow slot are free again
                 cute.arch.mbarrier_arrive(mbar + DS_EMPTY)
 
             cute.arch.sync_threads()
             if cutlass.const_expr(not self.fold_scale):
                 acc_dQ.store(acc_dQ.load() * scale)
-                if cutlass.const_expr(self.rope > 0):
+            r2s_o = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), dq1_mma
+            ).get_slice(gtid)
+            rdQ = cute.make_fragment_like(acc_dQ, self.dtype)
+            rdQ.store(acc_dQ.load().to(self.dtype))
+            sdQ1 = cute.make_tensor(q_base + cute.assume(bm * self.split_col, divby=512),
+                                    sOh_layout)
+            cute.copy(r2s_o, r2s_o.retile(rdQ), r2s_o.partition_D(sdQ1))
+            if cutlass.const_expr(self.rope > 0):
+                if cutlass.const_expr(not self.fold_scale):
                     acc_dQr.store(acc_dQr.load() * scale)
-            if is_piece:
-                self._store_partial(thr_dq, acc_dQ, mDQP, part_row0, hl, self.split_col,
-                                    self.split_col)
-                if cutlass.const_expr(self.rope > 0):
-                    self._store_partial(thr_dqr, acc_dQr, mDQP, part_row0, hl, d_v, 64)
-            else:
-                r2s_o = cute.make_tiled_copy_C(
-                    cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), dq1_mma
+                r2s_r = cute.make_tiled_copy_C(
+                    cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), dqr_mma
                 ).get_slice(gtid)
-                rdQ = cute.make_fragment_like(acc_dQ, self.dtype)
-                rdQ.store(acc_dQ.load().to(self.dtype))
-                sdQ1 = cute.make_tensor(q_base + cute.assume(bm * self.split_col, divby=512),
-                                        sOh_layout)
-                cute.copy(r2s_o, r2s_o.retile(rdQ), r2s_o.partition_D(sdQ1))
-                if cutlass.const_expr(self.rope > 0):
-                    r2s_r = cute.make_tiled_copy_C(
-                        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), dqr_mma
-                    ).get_slice(gtid)
-                    rdQr = cute.make_fragment_like(acc_dQr, self.dtype)
-                    rdQr.store(acc_dQr.load().to(self.dtype))
-                    sdQr = cute.make_tensor(q_base + cute.assume(bm * d_v, divby=512),
-                                            sOr_layout)
-                    cute.copy(r2s_r, r2s_r.retile(rdQr), r2s_r.partition_D(sdQr))
+                rdQr = cute.make_fragment_like(acc_dQr, self.dtype)
+                rdQr.store(acc_dQr.load().to(self.dtype))
+                sdQr = cute.make_tensor(q_base + cute.assume(bm * d_v, divby=512), sOr_layout)
+                cute.copy(r2s_r, r2s_r.retile(rdQr), r2s_r.partition_D(sdQr))
 
         # ---- epilogue: dQ rows (live heads only) -------------------------------------------
         cute.arch.sync_threads()
@@ -752,24 +723,9 @@ class SparseMlaBwdWgmmaSm90:
             cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
         )
         if q_ok:
-            if cta < n_whole:
-                for i in cutlass.range_constexpr(self.chunks // self.io_tpr):
-                    c = csub + self.io_tpr * i
-                    cute.copy(st_atom, self._chunk(sO, crow, c), self._chunk(mDQ, q_row, c))
-
-    @cute.jit
-    def _store_partial(self, thr_mma, acc: cute.Tensor, mDQP: cute.Tensor,
-                       row0: cutlass.Int64, hl: cutlass.Int32, col0: cutlass.Constexpr,
-                       n_cols: cutlass.Constexpr):
-        """A piece's fp32 dQ columns [col0, col0 + n_cols) from the accumulator straight to
-        mDQP (flat, Dqk per row), live head rows (r < hl) only. Only the tail's few CTAs run
-        this, so plain scalar stores are enough."""
-        coord = thr_mma.partition_C(cute.make_identity_tensor((self.bm, n_cols)))
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            r = coord[i][0]
-            if r < hl:
-                mDQP[(row0 + cutlass.Int64(r)) * cutlass.Int64(self.d_qk)
-                     + cutlass.Int64(col0 + coord[i][1])] = acc[i]
+            for i in cutlass.range_constexpr(self.chunks // self.io_tpr):
+                c = csub + self.io_tpr * i
+                cute.copy(st_atom, self._chunk(sO, crow, c), self._chunk(mDQ, q_row, c))
 
     @cute.jit
     def _dkv_block(self, dkv_mma: cute.TiledMma, gtid: cutlass.Int32, ds_sw, p_sw, q_sw, do_sw,
@@ -908,8 +864,10 @@ class SparseMlaBwdWgmmaSm90:
 
 # -------------------------------------------------------------------- AOT compile entry
 def compile_bwd_wgmma(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                      options: str | None = None, wg0_chunks: int | None = None):
+                      options: str | None = None, wg0_chunks: int | None = None,
+                      early_idx: bool = False):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
-    return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks),
+    return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks,
+                                              early_idx),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))
