@@ -46,15 +46,8 @@ BWD_VARIANTS = {
 # Experimental variants (not defaults): built only with --experimental, selected with
 # JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>; their GPU status goes in docs/performance.md (the
 # ones measured slower, e.g. ws2c and wgc, were removed: git history).
-# ws2e: ws2 with the producer's first pair of indices loaded before topk_length is known (the
-# token's start chain one load shorter); built and checked on the CPU, not yet measured.
-# ws2p: ws2 made persistent (132 CTAs walking the (token, head block) items; the next item's Q
-# load and first Q K^T overlap the current item's end); built on the CPU, not yet run.
-EXPERIMENTAL_FWD = {"ws2e": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"early_idx": True}),
-                    "ws2p": ("sparse_mla_fwd_ws2p", "compile_fwd_ws2p")}
-# wge: the default backward with block 0's indices loaded before topk_length is known (prologue
-# chain one load shorter); built and checked on the CPU, not yet measured on the GPU.
-EXPERIMENTAL_BWD = {"wge": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"early_idx": True})}
+EXPERIMENTAL_FWD = {}
+EXPERIMENTAL_BWD = {}
 # (dtype name, Dqk); one export per variant and spec.
 FWD_SPECS = [("bf16", 512), ("bf16", 576), ("f16", 512), ("f16", 576)]
 

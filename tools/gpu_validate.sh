@@ -60,21 +60,23 @@ for step in "${steps[@]}"; do
           > "$out/src_$1_h$2_k$3.csv" 2>/dev/null || rc=$?
         python3 tools/ncu_hot_lines.py "$out/src_$1_h$2_k$3.csv" 20 | cut -c1-160
       done ;;
-    candidates)  # the experimental variants (library built with --experimental): correctness
-      # first (a barrier-protocol bug hangs: short timeouts), then speed next to the default
+    candidates)  # experimental variants (library built with --experimental), named by
+      # FWD_CANDIDATES / BWD_CANDIDATES (space-separated tags): forward smoke cases first (a
+      # barrier-protocol bug hangs: short timeouts), then speed next to the default
       rc=0
-      for v in ws2p ws2e; do
+      [ -n "${FWD_CANDIDATES:-}${BWD_CANDIDATES:-}" ] || echo "no FWD_CANDIDATES / BWD_CANDIDATES given"
+      for v in ${FWD_CANDIDATES:-}; do
         timeout 200 python3 tools/gpu_smoke_fwd.py --impl "$v" --skip-timing \
           > "$out/cand_smoke_$v.log" 2>&1
         r=$?; [ $r -eq 0 ] || rc=$r
         echo "smoke $v rc=$r (124: timed out, e.g. a hang): $(grep -c "^\[PASS\]" "$out/cand_smoke_$v.log") PASS, $(grep -c "^\[FAIL\]" "$out/cand_smoke_$v.log") FAIL"
       done
-      for v in default ws2p ws2e; do
+      for v in ${FWD_CANDIDATES:+default $FWD_CANDIDATES}; do
         JAX_DSA_FWD_IMPL=$v timeout 120 python3 examples/benchmark.py --quick --impls cute \
           --passes fwd --calls 5 --batches 3 --out "$out/cand_fwd_$v" > "$out/cand_fwd_$v.log" 2>&1 || rc=$?
         echo "fwd $v: $(grep -v "^|" "$out/cand_fwd_$v.log" | grep " fwd " | awk '{printf "%s ", $(NF-7)}') us"
       done
-      for v in default wge; do
+      for v in ${BWD_CANDIDATES:+default $BWD_CANDIDATES}; do
         JAX_DSA_BWD_IMPL=$v timeout 120 python3 examples/benchmark.py --quick --impls cute \
           --passes bwd --calls 5 --batches 3 --out "$out/cand_bwd_$v" > "$out/cand_bwd_$v.log" 2>&1 || rc=$?
         echo "bwd $v: $(grep -v "^|" "$out/cand_bwd_$v.log" | grep " bwd " | awk '{printf "%s ", $(NF-7)}') us"

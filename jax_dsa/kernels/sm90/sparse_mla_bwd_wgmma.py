@@ -154,7 +154,7 @@ DS_EMPTY = 2
 
 class SparseMlaBwdWgmmaSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                 wg0_chunks: int | None = None, early_idx: bool = False):
+                 wg0_chunks: int | None = None):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -188,11 +188,6 @@ class SparseMlaBwdWgmmaSm90:
             wg0_chunks = 4 if d_qk == 512 else 3
         assert 0 <= wg0_chunks < self.n_ch
         self.wg0_chunks = wg0_chunks
-        # early_idx (experimental "wge"): load block 0's indices first thing, for all j < K,
-        # and apply topk_length afterwards, so that the prologue's chain topk_length -> indices
-        # -> first gather loses one global-load latency (the indices past topk_length are read
-        # from idx, which is in bounds, but their kv rows never are).
-        self.early_idx = early_idx
 
 
     # ---------------------------------------------------------------- host side
@@ -401,9 +396,6 @@ class SparseMlaBwdWgmmaSm90:
         n_blocks = (k_eff + bn - 1) // bn
         idx_base = bt * cutlass.Int64(K)
         kv_batch = cutlass.Int64(b) * cutlass.Int64(S)
-        if cutlass.const_expr(self.early_idx):
-            grow, gsub, idx_r = self._gather_mapping(gtid)
-            self._load_idx(mIdx, idx_r, 0, K, idx_base, grow)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -454,13 +446,8 @@ class SparseMlaBwdWgmmaSm90:
         cute.arch.sync_threads()  # mbarrier inits visible before any arrive
 
         # ---- block 0's indices and gather --------------------------------------------------
-        if cutlass.const_expr(self.early_idx):
-            for p in cutlass.range_constexpr(self.g_passes):
-                if grow + self.g_rows * p >= k_eff:
-                    idx_r[p] = -1
-        else:
-            grow, gsub, idx_r = self._gather_mapping(gtid)
-            self._load_idx(mIdx, idx_r, 0, k_eff, idx_base, grow)
+        grow, gsub, idx_r = self._gather_mapping(gtid)
+        self._load_idx(mIdx, idx_r, 0, k_eff, idx_base, grow)
         if n_blocks > 0:
             if wg == 0:
                 self._gather(mKV, sKV, cp_atom, idx_r, S, kv_batch, grow, gsub, 0,
@@ -864,10 +851,8 @@ class SparseMlaBwdWgmmaSm90:
 
 # -------------------------------------------------------------------- AOT compile entry
 def compile_bwd_wgmma(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                      options: str | None = None, wg0_chunks: int | None = None,
-                      early_idx: bool = False):
+                      options: str | None = None, wg0_chunks: int | None = None):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
-    return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks,
-                                              early_idx),
+    return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))
