@@ -7,8 +7,10 @@ kclk/block predicted below. ncu at H = 64: tensor pipe 44 % busy, L2 33 %, L1 49
 37 %, nothing saturated; the gather is the suspect (see docs/performance.md).
 
 Measured and removed (git history, docs/performance.md): "ws2c" (the two head blocks of a token
-as a 2-CTA cluster sharing each gathered row over DSMEM: correct, 17 % slower at H = 128) and
-"ws2i" (indices loaded a pair ahead: no faster). Cycle figures below are
+as a 2-CTA cluster sharing each gathered row over DSMEM: correct, 17 % slower at H = 128),
+"ws2i" (indices loaded a pair ahead: no faster), "ws2e" (the first indices loaded before
+topk_length: no faster) and "ws2p" (persistent, the next item's Q load and first Q K^T
+overlapping the current item's end: 6-10 % slower). Cycle figures below are
 per SM, at the H100/H200 dense bf16 rate of 2048 FMA/clk and 128 B/clk of shared memory;
 "block" = 64 gathered KV rows x 64 heads.
 
