@@ -61,6 +61,33 @@ def st_global_v4_f32(ptr, a, b, c, d, *, loc=None, ip=None):
     _v4_f32("st.global.v4.f32", ptr, (a, b, c, d), loc, ip)
 
 
+@dsl_user_op
+def l2_evict_last_policy(*, loc=None, ip=None) -> cutlass.Int64:
+    """An L2 cache policy that keeps the lines it touches (createpolicy.fractional
+    .L2::evict_last, fraction 1.0), for cp_async_16_l2_hint."""
+    v = llvm.inline_asm(
+        cutlass.Int64.mlir_type,
+        [],
+        "createpolicy.fractional.L2::evict_last.b64 $0, 1.0;",
+        "=l",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return cutlass.Int64(v)
+
+
+@dsl_user_op
+def cp_async_16_l2_hint(smem_ptr, gmem_ptr, policy, *, loc=None, ip=None):
+    """16-byte cp.async.cg global -> shared with an L2 cache policy and the 256-byte L2
+    prefetch hint (CuTe DSL's CopyG2SOp has neither). Completes like any cp.async (commit /
+    wait groups, cp.async.mbarrier.arrive)."""
+    _asm("cp.async.cg.shared.global.L2::cache_hint.L2::256B [$0], [$1], 16, 16, $2;", "r,l,l",
+         [_ir(smem_ptr, loc, ip), _ir(gmem_ptr, loc, ip), _ir(policy, loc, ip)], loc, ip)
+
+
 def _rows(dtype, n_rows, n_cols, align=16):
     return make_fake_compact_tensor(dtype, (n_rows, n_cols), stride_order=(1, 0),
                                     assumed_align=align)

@@ -114,6 +114,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 import cuda.bindings.driver as cuda
 
 from jax_dsa.kernels.sm90.common import (LOG2_E, bwd_fake_args, compile_options,
+                                         cp_async_16_l2_hint, l2_evict_last_policy,
                                          red_add_v4_f32, st_global_v4_f32)
 
 
@@ -154,7 +155,7 @@ DS_EMPTY = 2
 
 class SparseMlaBwdWgmmaSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                 wg0_chunks: int | None = None):
+                 wg0_chunks: int | None = None, l2_hints: bool = False):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -188,6 +189,10 @@ class SparseMlaBwdWgmmaSm90:
             wg0_chunks = 4 if d_qk == 512 else 3
         assert 0 <= wg0_chunks < self.n_ch
         self.wg0_chunks = wg0_chunks
+        # l2_hints (experimental "wgh"): the kv gather's cp.async carry an L2 evict_last policy
+        # and the 256-byte L2 prefetch hint (as FlashMLA's forward gather does), so that the
+        # streamed q / dO / o / dq lines do not push the gathered rows out of L2.
+        self.l2_hints = l2_hints
 
 
     # ---------------------------------------------------------------- host side
@@ -338,7 +343,12 @@ class SparseMlaBwdWgmmaSm90:
                 g_row = kv_batch + cutlass.Int64(row)
                 for i in cutlass.range_constexpr(n_chunks // self.g_tpr):
                     c = c_lo + gsub + self.g_tpr * i
-                    cute.copy(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKV, r, c))
+                    if cutlass.const_expr(self.l2_hints):
+                        cp_async_16_l2_hint(self._chunk(sKV, r, c).iterator,
+                                            self._chunk(mKV, g_row, c).iterator,
+                                            l2_evict_last_policy())
+                    else:
+                        cute.copy(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKV, r, c))
             else:
                 for i in cutlass.range_constexpr(n_chunks // self.g_tpr):
                     self._chunk(sKV, r, c_lo + gsub + self.g_tpr * i).fill(0)
@@ -851,8 +861,10 @@ class SparseMlaBwdWgmmaSm90:
 
 # -------------------------------------------------------------------- AOT compile entry
 def compile_bwd_wgmma(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                      options: str | None = None, wg0_chunks: int | None = None):
+                      options: str | None = None, wg0_chunks: int | None = None,
+                      l2_hints: bool = False):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
-    return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks),
+    return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks,
+                                              l2_hints),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))

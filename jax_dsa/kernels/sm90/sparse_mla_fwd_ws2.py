@@ -92,7 +92,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 import cuda.bindings.driver as cuda
 
-from jax_dsa.kernels.sm90.common import LOG2_E, fwd_fake_args
+from jax_dsa.kernels.sm90.common import (LOG2_E, cp_async_16_l2_hint, fwd_fake_args,
+                                         l2_evict_last_policy)
 from jax_dsa.kernels.sm90.sparse_mla_fwd_ws import SparseMlaFwdWsSm90
 
 CONSUMER_BAR = 1  # both consumer groups (Q ready, epilogue)
@@ -107,8 +108,11 @@ EMPTY_0L, EMPTY_0R, EMPTY_1L, EMPTY_1R = 4, 5, 6, 7
 
 
 class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
-    def __init__(self, dtype, d_qk: int, d_v: int = 512):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512, l2_hints: bool = False):
         super().__init__(dtype, d_qk, d_v)
+        # l2_hints (experimental "ws2h"): the producer's kv cp.async carry an L2 evict_last
+        # policy and the 256-byte L2 prefetch hint, as FlashMLA's gather does (docs).
+        self.l2_hints = l2_hints
         self.bn_g = self.bn  # each owner scores all 64 keys of its block
         self.half_chunks = self.dv_g // 8  # 16-byte chunks of the L half (32)
         self.k_half = self.dv_g // 16  # k16 steps of Q K^T over the L half (16)
@@ -276,16 +280,23 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                 for i in cutlass.range_constexpr(n_max):
                     if cutlass.const_expr(i < n_min):
                         c = c_lo + psub + self.p_tpr * i
-                        cute.copy(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKs, r, c))
+                        self._kv_copy(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKs, r, c))
                     elif i < n_c:
                         c = c_lo + psub + self.p_tpr * i
-                        cute.copy(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKs, r, c))
+                        self._kv_copy(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKs, r, c))
             else:
                 for i in cutlass.range_constexpr(n_max):
                     if cutlass.const_expr(i < n_min):
                         self._chunk(sKs, r, c_lo + psub + self.p_tpr * i).fill(0)
                     elif i < n_c:
                         self._chunk(sKs, r, c_lo + psub + self.p_tpr * i).fill(0)
+
+    def _kv_copy(self, cp_atom, src: cute.Tensor, dst: cute.Tensor):
+        """One 16-byte kv chunk global -> shared (cp.async; with L2 hints for "ws2h")."""
+        if cutlass.const_expr(self.l2_hints):
+            cp_async_16_l2_hint(dst.iterator, src.iterator, l2_evict_last_policy())
+        else:
+            cute.copy(cp_atom, src, dst)
 
     # ------------------------------------------------------------------ consumer pieces
     @cute.jit
@@ -625,7 +636,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                            sO_layout, sOg_layout, pv_rs, bt, h0, H, cg, gtid, crow, csub, q_ok)
 
 
-def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512):
+def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512, l2_hints: bool = False):
     """Compile with shape-only tensors (common.fwd_fake_args)."""
-    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v), *fwd_fake_args(dtype, d_qk, d_v))
+    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v, l2_hints),
+                        *fwd_fake_args(dtype, d_qk, d_v))
 
