@@ -61,14 +61,11 @@ def st_global_v4_f32(ptr, a, b, c, d, *, loc=None, ip=None):
     _v4_f32("st.global.v4.f32", ptr, (a, b, c, d), loc, ip)
 
 
-@dsl_user_op
-def l2_evict_last_policy(*, loc=None, ip=None) -> cutlass.Int64:
-    """An L2 cache policy that keeps the lines it touches (createpolicy.fractional
-    .L2::evict_last, fraction 1.0), for cp_async_16_l2_hint."""
+def _l2_policy(priority: str, loc, ip) -> cutlass.Int64:
     v = llvm.inline_asm(
         cutlass.Int64.mlir_type,
         [],
-        "createpolicy.fractional.L2::evict_last.b64 $0, 1.0;",
+        f"createpolicy.fractional.L2::{priority}.b64 $0, 1.0;",
         "=l",
         has_side_effects=False,
         is_align_stack=False,
@@ -77,6 +74,20 @@ def l2_evict_last_policy(*, loc=None, ip=None) -> cutlass.Int64:
         ip=ip,
     )
     return cutlass.Int64(v)
+
+
+@dsl_user_op
+def l2_evict_last_policy(*, loc=None, ip=None) -> cutlass.Int64:
+    """An L2 cache policy that keeps the lines it touches (createpolicy.fractional
+    .L2::evict_last, fraction 1.0), for cp_async_16_l2_hint: rows read again and again."""
+    return _l2_policy("evict_last", loc, ip)
+
+
+@dsl_user_op
+def l2_evict_first_policy(*, loc=None, ip=None) -> cutlass.Int64:
+    """An L2 cache policy whose lines go first (createpolicy.fractional.L2::evict_first):
+    rows read once."""
+    return _l2_policy("evict_first", loc, ip)
 
 
 @dsl_user_op

@@ -93,7 +93,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 import cuda.bindings.driver as cuda
 
 from jax_dsa.kernels.sm90.common import (LOG2_E, cp_async_16_l2_hint, fwd_fake_args,
-                                         l2_evict_last_policy)
+                                         l2_evict_first_policy, l2_evict_last_policy)
 from jax_dsa.kernels.sm90.sparse_mla_fwd_ws import SparseMlaFwdWsSm90
 
 CONSUMER_BAR = 1  # both consumer groups (Q ready, epilogue)
@@ -110,8 +110,8 @@ EMPTY_0L, EMPTY_0R, EMPTY_1L, EMPTY_1R = 4, 5, 6, 7
 class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
     def __init__(self, dtype, d_qk: int, d_v: int = 512, l2_hints: bool = False):
         super().__init__(dtype, d_qk, d_v)
-        # l2_hints (experimental "ws2h"): the producer's kv cp.async carry an L2 evict_last
-        # policy and the 256-byte L2 prefetch hint, as FlashMLA's gather does (docs).
+        # l2_hints (experimental "ws2h"): the kv gather's cp.async carry an L2 evict_last
+        # policy (Q's evict_first) and the 256-byte L2 prefetch hint, as FlashMLA's do (docs).
         self.l2_hints = l2_hints
         self.bn_g = self.bn  # each owner scores all 64 keys of its block
         self.half_chunks = self.dv_g // 8  # 16-byte chunks of the L half (32)
@@ -280,10 +280,12 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                 for i in cutlass.range_constexpr(n_max):
                     if cutlass.const_expr(i < n_min):
                         c = c_lo + psub + self.p_tpr * i
-                        self._kv_copy(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKs, r, c))
+                        self._copy16(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKs, r, c),
+                                     True)
                     elif i < n_c:
                         c = c_lo + psub + self.p_tpr * i
-                        self._kv_copy(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKs, r, c))
+                        self._copy16(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKs, r, c),
+                                     True)
             else:
                 for i in cutlass.range_constexpr(n_max):
                     if cutlass.const_expr(i < n_min):
@@ -291,10 +293,12 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                     elif i < n_c:
                         self._chunk(sKs, r, c_lo + psub + self.p_tpr * i).fill(0)
 
-    def _kv_copy(self, cp_atom, src: cute.Tensor, dst: cute.Tensor):
-        """One 16-byte kv chunk global -> shared (cp.async; with L2 hints for "ws2h")."""
+    def _copy16(self, cp_atom, src: cute.Tensor, dst: cute.Tensor, reused: cutlass.Constexpr):
+        """One 16-byte chunk global -> shared by cp.async; with l2_hints ("ws2h") an L2
+        evict_last (reused: kv rows) or evict_first (Q) policy and the 256-byte prefetch."""
         if cutlass.const_expr(self.l2_hints):
-            cp_async_16_l2_hint(dst.iterator, src.iterator, l2_evict_last_policy())
+            policy = l2_evict_last_policy() if reused else l2_evict_first_policy()
+            cp_async_16_l2_hint(dst.iterator, src.iterator, policy)
         else:
             cute.copy(cp_atom, src, dst)
 
@@ -415,7 +419,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                 q_row = bt * cutlass.Int64(H) + cutlass.Int64(h0 + crow)
                 for i in cutlass.range_constexpr(self.chunks // self.tpr):
                     c = csub + self.tpr * i
-                    cute.copy(cp_atom, self._chunk(mQ, q_row, c), self._chunk(sQ, crow, c))
+                    self._copy16(cp_atom, self._chunk(mQ, q_row, c), self._chunk(sQ, crow, c),
+                                 False)
             else:
                 for i in cutlass.range_constexpr(self.chunks // self.tpr):
                     self._chunk(sQ, crow, csub + self.tpr * i).fill(0)
