@@ -62,7 +62,7 @@ for step in "${steps[@]}"; do
       done ;;
     candidates)  # experimental variants (library built with --experimental), named by
       # FWD_CANDIDATES / BWD_CANDIDATES (space-separated tags): forward smoke cases first (a
-      # barrier-protocol bug hangs: short timeouts), then speed next to the default
+      # barrier-protocol bug hangs: short timeouts), then speed against the default
       rc=0
       [ -n "${FWD_CANDIDATES:-}${BWD_CANDIDATES:-}" ] || echo "no FWD_CANDIDATES / BWD_CANDIDATES given"
       for v in ${FWD_CANDIDATES:-}; do
@@ -71,16 +71,18 @@ for step in "${steps[@]}"; do
         r=$?; [ $r -eq 0 ] || rc=$r
         echo "smoke $v rc=$r (124: timed out, e.g. a hang): $(grep -c "^\[PASS\]" "$out/cand_smoke_$v.log") PASS, $(grep -c "^\[FAIL\]" "$out/cand_smoke_$v.log") FAIL"
       done
-      for v in ${FWD_CANDIDATES:+default $FWD_CANDIDATES}; do
-        JAX_DSA_FWD_IMPL=$v timeout 120 python3 examples/benchmark.py --quick --impls cute \
-          --passes fwd --calls 5 --batches 3 --out "$out/cand_fwd_$v" > "$out/cand_fwd_$v.log" 2>&1 || rc=$?
-        echo "fwd $v: $(grep -v "^|" "$out/cand_fwd_$v.log" | grep " fwd " | awk '{printf "%s ", $(NF-7)}') us"
-      done
-      for v in ${BWD_CANDIDATES:+default $BWD_CANDIDATES}; do
-        JAX_DSA_BWD_IMPL=$v timeout 120 python3 examples/benchmark.py --quick --impls cute \
-          --passes bwd --calls 5 --batches 3 --out "$out/cand_bwd_$v" > "$out/cand_bwd_$v.log" 2>&1 || rc=$?
-        echo "bwd $v: $(grep -v "^|" "$out/cand_bwd_$v.log" | grep " bwd " | awk '{printf "%s ", $(NF-7)}') us"
-      done ;;
+      # speed: tools/ab_bench.py (default and candidates alternated over 3 rounds, ~35 s per
+      # benchmark process; ratios to the default of the same round)
+      if [ -n "${FWD_CANDIDATES:-}" ]; then
+        timeout 900 python3 tools/ab_bench.py --pass fwd --impls "default,${FWD_CANDIDATES// /,}" \
+          --out "$out/ab_fwd" > "$out/ab_fwd.log" 2>&1 || rc=$?
+        tail -8 "$out/ab_fwd.log"
+      fi
+      if [ -n "${BWD_CANDIDATES:-}" ]; then
+        timeout 900 python3 tools/ab_bench.py --pass bwd --impls "default,${BWD_CANDIDATES// /,}" \
+          --out "$out/ab_bwd" > "$out/ab_bwd.log" 2>&1 || rc=$?
+        tail -8 "$out/ab_bwd.log"
+      fi ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
   echo "[$step] rc=$rc in $(( $(date +%s) - start )) s"
