@@ -99,6 +99,17 @@ def cp_async_16_l2_hint(smem_ptr, gmem_ptr, policy, *, loc=None, ip=None):
          [_ir(smem_ptr, loc, ip), _ir(gmem_ptr, loc, ip), _ir(policy, loc, ip)], loc, ip)
 
 
+def copy_16(cp_atom, src, dst, l2_hints: bool, reused: bool):
+    """One 16-byte chunk global -> shared by cp.async (cp_atom); with l2_hints an L2 evict_last
+    (reused: gathered kv rows) or evict_first (rows read once) policy and the 256-byte L2
+    prefetch hint. The kernels' experimental "...h" variants set l2_hints."""
+    if l2_hints:
+        policy = l2_evict_last_policy() if reused else l2_evict_first_policy()
+        cp_async_16_l2_hint(dst.iterator, src.iterator, policy)
+    else:
+        cute.copy(cp_atom, src, dst)
+
+
 def _rows(dtype, n_rows, n_cols, align=16):
     return make_fake_compact_tensor(dtype, (n_rows, n_cols), stride_order=(1, 0),
                                     assumed_align=align)

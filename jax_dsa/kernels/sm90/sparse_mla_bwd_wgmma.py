@@ -113,9 +113,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 import cuda.bindings.driver as cuda
 
-from jax_dsa.kernels.sm90.common import (LOG2_E, bwd_fake_args, compile_options,
-                                         cp_async_16_l2_hint, l2_evict_first_policy,
-                                         l2_evict_last_policy,
+from jax_dsa.kernels.sm90.common import (LOG2_E, bwd_fake_args, compile_options, copy_16,
                                          red_add_v4_f32, st_global_v4_f32)
 
 
@@ -325,15 +323,6 @@ class SparseMlaBwdWgmmaSm90:
                 v = mIdx[idx_base + cutlass.Int64(j)]
             idx_r[p] = v
 
-    def _copy16(self, cp_atom, src: cute.Tensor, dst: cute.Tensor, reused: cutlass.Constexpr):
-        """One 16-byte chunk global -> shared by cp.async; with l2_hints ("wgh") an L2
-        evict_last (reused: kv rows) or evict_first (q / dO) policy and the 256-byte prefetch."""
-        if cutlass.const_expr(self.l2_hints):
-            policy = l2_evict_last_policy() if reused else l2_evict_first_policy()
-            cp_async_16_l2_hint(dst.iterator, src.iterator, policy)
-        else:
-            cute.copy(cp_atom, src, dst)
-
     @cute.jit
     def _gather(self, mKV: cute.Tensor, sKV: cute.Tensor, cp_atom: cute.CopyAtom,
                 idx_r: cute.Tensor, S: cutlass.Int32, kv_batch: cutlass.Int64,
@@ -353,8 +342,8 @@ class SparseMlaBwdWgmmaSm90:
                 g_row = kv_batch + cutlass.Int64(row)
                 for i in cutlass.range_constexpr(n_chunks // self.g_tpr):
                     c = c_lo + gsub + self.g_tpr * i
-                    self._copy16(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKV, r, c),
-                                 True)
+                    copy_16(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKV, r, c),
+                            self.l2_hints, True)
             else:
                 for i in cutlass.range_constexpr(n_chunks // self.g_tpr):
                     self._chunk(sKV, r, c_lo + gsub + self.g_tpr * i).fill(0)
@@ -450,11 +439,12 @@ class SparseMlaBwdWgmmaSm90:
         if q_ok:
             for i in cutlass.range_constexpr(self.chunks // self.io_tpr):
                 c = csub + self.io_tpr * i
-                self._copy16(cp_atom, self._chunk(mQ, q_row, c), self._chunk(sQ, crow, c), False)
+                copy_16(cp_atom, self._chunk(mQ, q_row, c), self._chunk(sQ, crow, c),
+                        self.l2_hints, False)
             for i in cutlass.range_constexpr(d_v // 8 // self.io_tpr):
                 c = csub + self.io_tpr * i
-                self._copy16(cp_atom, self._chunk(mDO, q_row, c), self._chunk(sDO, crow, c),
-                             False)
+                copy_16(cp_atom, self._chunk(mDO, q_row, c), self._chunk(sDO, crow, c),
+                        self.l2_hints, False)
         else:
             for i in cutlass.range_constexpr(self.chunks // self.io_tpr):
                 self._chunk(sQ, crow, csub + self.io_tpr * i).fill(0)

@@ -92,8 +92,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 import cuda.bindings.driver as cuda
 
-from jax_dsa.kernels.sm90.common import (LOG2_E, cp_async_16_l2_hint, fwd_fake_args,
-                                         l2_evict_first_policy, l2_evict_last_policy)
+from jax_dsa.kernels.sm90.common import LOG2_E, copy_16, fwd_fake_args
 from jax_dsa.kernels.sm90.sparse_mla_fwd_ws import SparseMlaFwdWsSm90
 
 CONSUMER_BAR = 1  # both consumer groups (Q ready, epilogue)
@@ -142,7 +141,7 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
         k_atom, sQ_layout, sKV_layout, sVt_layout, sP_layout, sO_layout, sOg_layout = (
             self._smem_layouts())
         SharedStorage, qk_mma, pv_rs, pv_ss = self._storage_and_mmas(
-            sQ_layout, sKV_layout, sP_layout, red_floats=2 * self.bm, n_mbar=8)
+            sQ_layout, sKV_layout, sP_layout)
         n_head_blocks = (H + self.bm - 1) // self.bm
         kernel = self.kernel(
             mQ, mKV, mIdx, mLen, mSink, mO, mLse, T, H, S, K, scale * LOG2_E,
@@ -157,9 +156,9 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
             stream=stream,
         )
 
-    def _storage_and_mmas(self, sQ_layout, sKV_layout, sP_layout, red_floats: int, n_mbar: int):
+    def _storage_and_mmas(self, sQ_layout, sKV_layout, sP_layout):
         """The shared-memory struct (Q, the 2-stage ring, P tiles, row flags, the row-sum / max
-        exchange buffers, n_mbar mbarriers) and the tiled MMAs: Q K^T, P V with P in registers,
+        exchange buffers, the 8 mbarriers) and the tiled MMAs: Q K^T, P V with P in registers,
         P V with P in shared memory."""
         # P tiles: Dqk 576 -> P0 in stage 0's rope columns, only P1 here; Dqk 512 -> both.
         p_elems = cute.cosize(sP_layout) * (1 if self.p_in_rope else 2)
@@ -172,9 +171,9 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
             ]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
             sValid: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * self.bn], 16]
-            sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, red_floats], 16]
+            sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * self.bm], 16]
             sM: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * self.bm], 16]
-            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, n_mbar], 8]
+            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 8], 8]
 
         qk_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
@@ -280,27 +279,18 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                 for i in cutlass.range_constexpr(n_max):
                     if cutlass.const_expr(i < n_min):
                         c = c_lo + psub + self.p_tpr * i
-                        self._copy16(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKs, r, c),
-                                     True)
+                        copy_16(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKs, r, c),
+                                self.l2_hints, True)
                     elif i < n_c:
                         c = c_lo + psub + self.p_tpr * i
-                        self._copy16(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKs, r, c),
-                                     True)
+                        copy_16(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKs, r, c),
+                                self.l2_hints, True)
             else:
                 for i in cutlass.range_constexpr(n_max):
                     if cutlass.const_expr(i < n_min):
                         self._chunk(sKs, r, c_lo + psub + self.p_tpr * i).fill(0)
                     elif i < n_c:
                         self._chunk(sKs, r, c_lo + psub + self.p_tpr * i).fill(0)
-
-    def _copy16(self, cp_atom, src: cute.Tensor, dst: cute.Tensor, reused: cutlass.Constexpr):
-        """One 16-byte chunk global -> shared by cp.async; with l2_hints ("ws2h") an L2
-        evict_last (reused: kv rows) or evict_first (Q) policy and the 256-byte prefetch."""
-        if cutlass.const_expr(self.l2_hints):
-            policy = l2_evict_last_policy() if reused else l2_evict_first_policy()
-            cp_async_16_l2_hint(dst.iterator, src.iterator, policy)
-        else:
-            cute.copy(cp_atom, src, dst)
 
     # ------------------------------------------------------------------ consumer pieces
     @cute.jit
@@ -419,8 +409,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                 q_row = bt * cutlass.Int64(H) + cutlass.Int64(h0 + crow)
                 for i in cutlass.range_constexpr(self.chunks // self.tpr):
                     c = csub + self.tpr * i
-                    self._copy16(cp_atom, self._chunk(mQ, q_row, c), self._chunk(sQ, crow, c),
-                                 False)
+                    copy_16(cp_atom, self._chunk(mQ, q_row, c), self._chunk(sQ, crow, c),
+                            self.l2_hints, False)
             else:
                 for i in cutlass.range_constexpr(self.chunks // self.tpr):
                     self._chunk(sQ, crow, csub + self.tpr * i).fill(0)
