@@ -75,6 +75,32 @@ def test_forward_kernel_matches_oracle(case):
       1.0, np.max(np.abs(lse_ref[~dead]), initial=0.0))
 
 
+@pytest.mark.parametrize("h,d", [(16, 512), (64, 512), (128, 576)])
+def test_running_max_that_jumps_between_blocks(h, d):
+  """Scores whose scale grows (or shrinks) by ~30 log2 units along each token's entry list, so
+  the online softmax must move its running max many times in one token (and, in reverse
+  order, never): exercises the O / row-sum rescaling that random normal inputs barely touch."""
+  _kernel_or_skip()
+  rng = np.random.default_rng(h * 1000 + d)
+  t, s, k = 24, 4096, 640
+  p = make_problem(rng, 1, t, h, d, s, k, sink=True, topk="partial", dead_row=False)
+  row_scale = np.geomspace(0.25, 16.0, s).astype(np.float32)
+  p.kv *= row_scale[None, :, None]
+  idx = np.sort(rng.choice(s, size=(t, k)), axis=-1)  # ascending: the scores grow
+  idx[1::2] = idx[1::2, ::-1]  # descending on odd tokens: the first block holds the max
+  p.idx = idx[None].astype(np.int32)
+  q, kv, o, lse = _run_kernel(p, jnp.bfloat16)
+  o_ref, lse_ref = oracle.numpy_forward(np.asarray(q, np.float32), np.asarray(kv, np.float32),
+                                        p.idx, p.lengths, p.sink, p.scale, 512)
+  o, lse = np.asarray(o, np.float32), np.asarray(lse)
+  assert not np.isnan(o).any() and not np.isnan(lse).any(), "unwritten or NaN outputs"
+  live = ~np.isneginf(lse_ref)
+  assert np.ptp(lse_ref[live]) > 10.0, "the problem does not spread the scores"
+  np.testing.assert_array_equal(np.isneginf(lse), ~live)
+  assert rel_err(o, o_ref) < 1e-2, rel_err(o, o_ref)
+  assert np.max(np.abs(lse[live] - lse_ref[live])) < 2e-3 * np.max(np.abs(lse_ref[live]))
+
+
 def test_float16_and_default_dispatch_use_the_kernel():
   _kernel_or_skip()
   p = make_problem(np.random.default_rng(1), 2, 8, 16, 576, 800, 640, sink=True, topk="partial")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """A / B speed comparison of kernel variants on the GPU, with the run-to-run drift cancelled:
 
-    python tools/ab_bench.py --pass fwd --impls default,ws2h [--rounds 3] [--out DIR]
+    python tools/ab_bench.py --pass fwd --impls default,ws2h [--rounds 3] [--heads 64,128] [--out DIR]
     python tools/ab_bench.py --pass bwd --impls default,wgh
 
 Why: separate benchmark processes of the same export differ by ~2 % (clocks, placement), as
@@ -32,12 +32,12 @@ def read_table(path):
   return times
 
 
-def run_variant(variant, pass_name, out_dir, timeout):
+def run_variant(variant, pass_name, out_dir, timeout, heads=""):
   env = dict(os.environ)
   env["JAX_DSA_FWD_IMPL" if pass_name == "fwd" else "JAX_DSA_BWD_IMPL"] = variant
   cmd = [sys.executable, os.path.join(ROOT, "examples", "benchmark.py"), "--quick",
          "--impls", "cute", "--passes", pass_name, "--calls", "5", "--batches", "3",
-         "--out", out_dir]
+         "--out", out_dir] + (["--heads", heads] if heads else [])
   with open(out_dir + ".log", "w") as log:
     subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=True,
                    timeout=timeout)
@@ -51,6 +51,8 @@ def main():
                   help="comma-separated variant tags; the first is the baseline (e.g. default)")
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/jax_dsa_gpu") + "/ab")
+  ap.add_argument("--heads", default="",
+                  help="head counts to time (e.g. 64,128: the ws2 candidates run only there)")
   ap.add_argument("--timeout", type=int, default=150, help="seconds per benchmark process")
   args = ap.parse_args()
   variants = args.impls.split(",")
@@ -63,7 +65,7 @@ def main():
     order = variants if r % 2 == 0 else variants[::-1]
     for v in order:
       runs[v].append(run_variant(v, args.pass_name, os.path.join(args.out, f"r{r}_{v}"),
-                                 args.timeout))
+                                 args.timeout, args.heads))
       print(f"round {r} {v}: " + " ".join(f"{t:.0f}" for t in runs[v][-1].values()),
             flush=True)
 

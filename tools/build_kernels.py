@@ -48,7 +48,11 @@ BWD_VARIANTS = {
 # ones measured slower, e.g. ws2c and wgc, were removed: git history).
 # ws2h / wgh: the kv gather's cp.async with an L2 evict_last policy and the 256-byte L2
 # prefetch hint (FlashMLA's gather has both); CPU-built, not yet run on a GPU.
-EXPERIMENTAL_FWD = {"ws2h": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"l2_hints": True})}
+# ws2l: ws2 with lazy rescaling (sparse_mla_fwd_ws2.LAZY_RESCALE_LOG2); CPU-built only.
+EXPERIMENTAL_FWD = {
+    "ws2h": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"l2_hints": True}),
+    "ws2l": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"lazy_rescale": True}),
+}
 EXPERIMENTAL_BWD = {"wgh": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"l2_hints": True})}
 # (dtype name, Dqk); one export per variant and spec.
 FWD_SPECS = [("bf16", 512), ("bf16", 576), ("f16", 512), ("f16", 576)]

@@ -72,15 +72,16 @@ for step in "${steps[@]}"; do
         echo "smoke $v rc=$r (124: timed out, e.g. a hang): $(grep -c "^\[PASS\]" "$out/cand_smoke_$v.log") PASS, $(grep -c "^\[FAIL\]" "$out/cand_smoke_$v.log") FAIL"
       done
       # speed: tools/ab_bench.py (default and candidates alternated over 3 rounds, ~35 s per
-      # benchmark process; ratios to the default of the same round)
+      # benchmark process; ratios to the default of the same round; AB_HEADS=64,128 times only
+      # those head counts)
       if [ -n "${FWD_CANDIDATES:-}" ]; then
         timeout 900 python3 tools/ab_bench.py --pass fwd --impls "default,${FWD_CANDIDATES// /,}" \
-          --out "$out/ab_fwd" > "$out/ab_fwd.log" 2>&1 || rc=$?
+          --heads "${AB_HEADS:-}" --out "$out/ab_fwd" > "$out/ab_fwd.log" 2>&1 || rc=$?
         tail -8 "$out/ab_fwd.log"
       fi
       if [ -n "${BWD_CANDIDATES:-}" ]; then
         timeout 900 python3 tools/ab_bench.py --pass bwd --impls "default,${BWD_CANDIDATES// /,}" \
-          --out "$out/ab_bwd" > "$out/ab_bwd.log" 2>&1 || rc=$?
+          --heads "${AB_HEADS:-}" --out "$out/ab_bwd" > "$out/ab_bwd.log" 2>&1 || rc=$?
         tail -8 "$out/ab_bwd.log"
       fi ;;
     *) echo "unknown step $step"; rc=2 ;;
