@@ -52,6 +52,7 @@ BWD_VARIANTS = {
 EXPERIMENTAL_FWD = {
     "ws2h": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"l2_hints": True}),
     "ws2l": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"lazy_rescale": True}),
+    "ws2hl": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"l2_hints": True, "lazy_rescale": True}),
 }
 EXPERIMENTAL_BWD = {"wgh": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"l2_hints": True})}
 # (dtype name, Dqk); one export per variant and spec.

@@ -7,6 +7,7 @@ it. Every forward variant takes fwd_fake_args(); every backward variant bwd_fake
 """
 
 import math
+import re
 
 import cutlass
 import cutlass.cute as cute
@@ -99,13 +100,26 @@ def cp_async_16_l2_hint(smem_ptr, gmem_ptr, policy, *, loc=None, ip=None):
          [_ir(smem_ptr, loc, ip), _ir(gmem_ptr, loc, ip), _ir(policy, loc, ip)], loc, ip)
 
 
+def _swizzled_smem_address(ptr) -> cutlass.Int32:
+    """The shared-memory byte address a swizzled pointer (recast_ptr(..., swizzle_=S<b,m,s>))
+    really points to. toint() gives the unswizzled (logical) address; the swizzle, applied by
+    CuTe on every access, is XOR-ed in here: addr ^ ((addr & (2^b - 1) << (m + s)) >> s)."""
+    addr = ptr.toint()
+    found = re.search(r"S<(\d+),\s*(\d+),\s*(\d+)>", str(ptr.type))
+    if found is None:
+        return addr
+    b, m, s = (int(g) for g in found.groups())
+    return addr ^ ((addr & (((1 << b) - 1) << (m + s))) >> s)
+
+
 def copy_16(cp_atom, src, dst, l2_hints: bool, reused: bool):
     """One 16-byte chunk global -> shared by cp.async (cp_atom); with l2_hints an L2 evict_last
     (reused: gathered kv rows) or evict_first (rows read once) policy and the 256-byte L2
-    prefetch hint. The kernels' experimental "...h" variants set l2_hints."""
+    prefetch hint (inline PTX, so the swizzle of dst is applied by hand). The kernels'
+    experimental "...h" variants set l2_hints."""
     if l2_hints:
         policy = l2_evict_last_policy() if reused else l2_evict_first_policy()
-        cp_async_16_l2_hint(dst.iterator, src.iterator, policy)
+        cp_async_16_l2_hint(_swizzled_smem_address(dst.iterator), src.iterator, policy)
     else:
         cute.copy(cp_atom, src, dst)
 
