@@ -92,7 +92,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 import cuda.bindings.driver as cuda
 
-from jax_dsa.kernels.sm90.common import LOG2_E, copy_16, fwd_fake_args
+from jax_dsa.kernels.sm90.common import LOG2_E, fwd_fake_args
 from jax_dsa.kernels.sm90.sparse_mla_fwd_ws import SparseMlaFwdWsSm90
 
 CONSUMER_BAR = 1  # both consumer groups (Q ready, epilogue)
@@ -101,7 +101,7 @@ BAR_M1 = 3  # WG1's final row max published (WG1 arrives, WG0 syncs)
 BAR_P0 = 4  # WG0's P tile (rescaled to the pair max) in shared memory
 BAR_P1 = 5  # WG1's P tile in shared memory
 
-# Lazy rescaling (experimental "ws2l"): a row keeps its reference max while a new block's max
+# Lazy rescaling (as FA4 does on Blackwell): a row keeps its reference max while a new block's max
 # exceeds it by at most this much (log2 units), so P <= 2^8 and O / the row sums are rescaled
 # only when some row's reference moves (rare once the running max has settled).
 LAZY_RESCALE_LOG2 = 8.0
@@ -112,15 +112,8 @@ EMPTY_0L, EMPTY_0R, EMPTY_1L, EMPTY_1R = 4, 5, 6, 7
 
 
 class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
-    def __init__(self, dtype, d_qk: int, d_v: int = 512, l2_hints: bool = False,
-                 lazy_rescale: bool = False):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512):
         super().__init__(dtype, d_qk, d_v)
-        # lazy_rescale (experimental "ws2l"): see LAZY_RESCALE_LOG2; WG0 also stores its P tile
-        # before the pair max is known and stores it again only if that max moved.
-        self.lazy_rescale = lazy_rescale
-        # l2_hints (experimental "ws2h"): the kv gather's cp.async carry an L2 evict_last
-        # policy (Q's evict_first) and the 256-byte L2 prefetch hint, as FlashMLA's do (docs).
-        self.l2_hints = l2_hints
         self.bn_g = self.bn  # each owner scores all 64 keys of its block
         self.half_chunks = self.dv_g // 8  # 16-byte chunks of the L half (32)
         self.k_half = self.dv_g // 16  # k16 steps of Q K^T over the L half (16)
@@ -288,12 +281,10 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                 for i in cutlass.range_constexpr(n_max):
                     if cutlass.const_expr(i < n_min):
                         c = c_lo + psub + self.p_tpr * i
-                        copy_16(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKs, r, c),
-                                self.l2_hints, True)
+                        cute.copy(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKs, r, c))
                     elif i < n_c:
                         c = c_lo + psub + self.p_tpr * i
-                        copy_16(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKs, r, c),
-                                self.l2_hints, True)
+                        cute.copy(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKs, r, c))
             else:
                 for i in cutlass.range_constexpr(n_max):
                     if cutlass.const_expr(i < n_min):
@@ -322,12 +313,11 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
     def _exp_rows(self, S_mn: cute.Tensor, O_mn: cute.Tensor, row_max: cute.Tensor,
                   row_sum: cute.Tensor, m_new: cute.Tensor):
         """P = exp2(S - m_new) in place; O and the row sums rescaled from row_max to m_new
-        (a row with nothing valid yet uses 0 as its max: never exp2(-inf + inf)). Lazy: O is
-        rescaled only if one of this thread's rows changed its max."""
+        (a row with nothing valid yet uses 0 as its max: never exp2(-inf + inf)). O is rescaled
+        only if one of this thread's rows changed its max (lazy rescaling, LAZY_RESCALE_LOG2)."""
         n_rows = cute.size(S_mn, mode=[0])
-        if cutlass.const_expr(self.lazy_rescale):
-            corrs = cute.make_rmem_tensor(n_rows, cutlass.Float32)
-            moved = m_new[0] != row_max[0]
+        corrs = cute.make_rmem_tensor(n_rows, cutlass.Float32)
+        moved = m_new[0] != row_max[0]
         for r in cutlass.range_constexpr(n_rows):
             mn = m_new[r]
             m_use = 0.0 if mn == -cutlass.Float32.inf else mn
@@ -336,26 +326,19 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
             row_sum[r] = row_sum[r] * corr + p_row.reduce(
                 cute.ReductionOp.ADD, cutlass.Float32.zero, 0
             )
-            if cutlass.const_expr(self.lazy_rescale):
-                corrs[r] = corr
-                if cutlass.const_expr(r > 0):
-                    moved = moved | (mn != row_max[r])
-            else:
-                O_mn[r, None] = O_mn[r, None].load() * corr
+            corrs[r] = corr
+            if cutlass.const_expr(r > 0):
+                moved = moved | (mn != row_max[r])
             S_mn[r, None] = p_row
-        if cutlass.const_expr(self.lazy_rescale):
-            if moved:
-                for r in cutlass.range_constexpr(n_rows):
-                    O_mn[r, None] = O_mn[r, None].load() * corrs[r]
+        if moved:
+            for r in cutlass.range_constexpr(n_rows):
+                O_mn[r, None] = O_mn[r, None].load() * corrs[r]
 
     @cute.jit
     def _new_max(self, m_ref: cutlass.Float32, m_blk: cutlass.Float32) -> cutlass.Float32:
-        """max(m_ref, m_blk); lazily m_ref itself while m_blk <= m_ref + LAZY_RESCALE_LOG2."""
-        m = cute.arch.fmax(m_ref, m_blk)
-        if cutlass.const_expr(self.lazy_rescale):
-            m = m_ref if m_blk <= m_ref + LAZY_RESCALE_LOG2 else m
-        return m
-
+        """The new reference max: m_ref itself while m_blk <= m_ref + LAZY_RESCALE_LOG2 (also
+        when both are -inf), else max(m_ref, m_blk)."""
+        return m_ref if m_blk <= m_ref + LAZY_RESCALE_LOG2 else cute.arch.fmax(m_ref, m_blk)
 
     # ------------------------------------------------------------------ kernel
     @cute.kernel
@@ -441,8 +424,7 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                 q_row = bt * cutlass.Int64(H) + cutlass.Int64(h0 + crow)
                 for i in cutlass.range_constexpr(self.chunks // self.tpr):
                     c = csub + self.tpr * i
-                    copy_16(cp_atom, self._chunk(mQ, q_row, c), self._chunk(sQ, crow, c),
-                            self.l2_hints, False)
+                    cute.copy(cp_atom, self._chunk(mQ, q_row, c), self._chunk(sQ, crow, c))
             else:
                 for i in cutlass.range_constexpr(self.chunks // self.tpr):
                     self._chunk(sQ, crow, csub + self.tpr * i).fill(0)
@@ -534,10 +516,9 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                     self._exp_rows(S_mn, O_mn, row_max, row_sum, m_own)
                     # O_0 += P0 V0[:, :256] with P0 in registers.
                     rP.store(acc_S.load().to(self.dtype))
-                    if cutlass.const_expr(self.lazy_rescale):
-                        # P0 for WG1 now, stored again below only if the pair max moves. (WG1's
-                        # reads of the previous P0 ended before stage 0 R was refilled.)
-                        cute.copy(r2s_p, r2s_p.retile(rP), tPsP)
+                    # P0 for WG1 now, stored again below only if the pair max moves. (WG1's
+                    # reads of the previous P0 ended before stage 0 R was refilled.)
+                    cute.copy(r2s_p, r2s_p.retile(rP), tPsP)
                     warpgroup.fence()
                     pv_rs.set(warpgroup.Field.ACCUMULATE, True)
                     for k in cutlass.range_constexpr(n_kv):
@@ -547,8 +528,7 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                     # WG1's pair max (>= m_own); factor f = exp2(m_own - m1), 0 if m_own = -inf
                     # (then P0 = 0 and O_0 = 0 already).
                     cute.arch.barrier(barrier_id=BAR_M1, number_of_threads=self.n_cons)
-                    if cutlass.const_expr(self.lazy_rescale):
-                        pair_moved = sM[bm + tScS[0, 0][0]] != m_own[0]
+                    pair_moved = sM[bm + tScS[0, 0][0]] != m_own[0]
                     for r in cutlass.range_constexpr(n_rows):
                         m1 = sM[bm + tScS[r, 0][0]]
                         mo = m_own[r]
@@ -556,20 +536,13 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                         f = cute.math.exp2(mo - m1_use, fastmath=True)
                         mx[r] = 0.0 if mo == -cutlass.Float32.inf else f
                         row_max[r] = m1
-                        if cutlass.const_expr(self.lazy_rescale and r > 0):
+                        if cutlass.const_expr(r > 0):
                             pair_moved = pair_moved | (m1 != mo)
                     warpgroup.wait_group(0)
                     cute.arch.mbarrier_arrive(mbar + EMPTY_0L)
-                    # P0' = P0 * f for WG1 (from the fp32 values), then O_0 *= f.
-                    if cutlass.const_expr(self.lazy_rescale):
-                        if pair_moved:
-                            for r in cutlass.range_constexpr(n_rows):
-                                S_mn[r, None] = S_mn[r, None].load() * mx[r]
-                                O_mn[r, None] = O_mn[r, None].load() * mx[r]
-                                row_sum[r] = row_sum[r] * mx[r]
-                            rP.store(acc_S.load().to(self.dtype))
-                            cute.copy(r2s_p, r2s_p.retile(rP), tPsP)
-                    else:
+                    # If the pair max moved past m_own: P0' = P0 * f for WG1 (from the fp32
+                    # values), O_0 *= f.
+                    if pair_moved:
                         for r in cutlass.range_constexpr(n_rows):
                             S_mn[r, None] = S_mn[r, None].load() * mx[r]
                             O_mn[r, None] = O_mn[r, None].load() * mx[r]
@@ -680,9 +653,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                            sO_layout, sOg_layout, pv_rs, bt, h0, H, cg, gtid, crow, csub, q_ok)
 
 
-def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512, l2_hints: bool = False,
-                    lazy_rescale: bool = False):
+def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512):
     """Compile with shape-only tensors (common.fwd_fake_args)."""
-    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v, l2_hints, lazy_rescale),
+    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v),
                         *fwd_fake_args(dtype, d_qk, d_v))
 
