@@ -46,12 +46,9 @@ BWD_VARIANTS = {
 # Experimental variants (not defaults): built only with --experimental, selected with
 # JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>; their GPU status goes in docs/performance.md (the
 # ones measured slower, e.g. ws2c and wgc, were removed: git history).
-# wgh: the backward's kv gather by cp.async with an L2 evict_last policy and the 256-byte L2
-# prefetch hint, q / dO evict_first (FlashMLA's gather has the hints); GPU-tested (14 cases),
-# speed not yet measured. (On the forward, hints + lazy rescaling "ws2hl" measured the same as lazy
-# rescaling alone: removed.)
+# (The L2 cache-hint candidates ws2h / ws2hl / wgh were measured and removed: docs.)
 EXPERIMENTAL_FWD = {}
-EXPERIMENTAL_BWD = {"wgh": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"l2_hints": True})}
+EXPERIMENTAL_BWD = {}
 # (dtype name, Dqk); one export per variant and spec.
 FWD_SPECS = [("bf16", 512), ("bf16", 576), ("f16", 512), ("f16", 576)]
 

@@ -7,7 +7,6 @@ it. Every forward variant takes fwd_fake_args(); every backward variant bwd_fake
 """
 
 import math
-import re
 
 import cutlass
 import cutlass.cute as cute
@@ -60,68 +59,6 @@ def red_add_v4_f32(ptr, a, b, c, d, *, loc=None, ip=None):
 def st_global_v4_f32(ptr, a, b, c, d, *, loc=None, ip=None):
     """st.global.v4.f32 [ptr], {a, b, c, d} (ptr 16-byte aligned global memory)."""
     _v4_f32("st.global.v4.f32", ptr, (a, b, c, d), loc, ip)
-
-
-def _l2_policy(priority: str, loc, ip) -> cutlass.Int64:
-    v = llvm.inline_asm(
-        cutlass.Int64.mlir_type,
-        [],
-        f"createpolicy.fractional.L2::{priority}.b64 $0, 1.0;",
-        "=l",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-    return cutlass.Int64(v)
-
-
-@dsl_user_op
-def l2_evict_last_policy(*, loc=None, ip=None) -> cutlass.Int64:
-    """An L2 cache policy that keeps the lines it touches (createpolicy.fractional
-    .L2::evict_last, fraction 1.0), for cp_async_16_l2_hint: rows read again and again."""
-    return _l2_policy("evict_last", loc, ip)
-
-
-@dsl_user_op
-def l2_evict_first_policy(*, loc=None, ip=None) -> cutlass.Int64:
-    """An L2 cache policy whose lines go first (createpolicy.fractional.L2::evict_first):
-    rows read once."""
-    return _l2_policy("evict_first", loc, ip)
-
-
-@dsl_user_op
-def cp_async_16_l2_hint(smem_ptr, gmem_ptr, policy, *, loc=None, ip=None):
-    """16-byte cp.async.cg global -> shared with an L2 cache policy and the 256-byte L2
-    prefetch hint (CuTe DSL's CopyG2SOp has neither). Completes like any cp.async (commit /
-    wait groups, cp.async.mbarrier.arrive)."""
-    _asm("cp.async.cg.shared.global.L2::cache_hint.L2::256B [$0], [$1], 16, 16, $2;", "r,l,l",
-         [_ir(smem_ptr, loc, ip), _ir(gmem_ptr, loc, ip), _ir(policy, loc, ip)], loc, ip)
-
-
-def _swizzled_smem_address(ptr) -> cutlass.Int32:
-    """The shared-memory byte address a swizzled pointer (recast_ptr(..., swizzle_=S<b,m,s>))
-    really points to. toint() gives the unswizzled (logical) address; the swizzle, applied by
-    CuTe on every access, is XOR-ed in here: addr ^ ((addr & (2^b - 1) << (m + s)) >> s)."""
-    addr = ptr.toint()
-    found = re.search(r"S<(\d+),\s*(\d+),\s*(\d+)>", str(ptr.type))
-    if found is None:
-        return addr
-    b, m, s = (int(g) for g in found.groups())
-    return addr ^ ((addr & (((1 << b) - 1) << (m + s))) >> s)
-
-
-def copy_16(cp_atom, src, dst, l2_hints: bool, reused: bool):
-    """One 16-byte chunk global -> shared by cp.async (cp_atom); with l2_hints an L2 evict_last
-    (reused: gathered kv rows) or evict_first (rows read once) policy and the 256-byte L2
-    prefetch hint (inline PTX, so the swizzle of dst is applied by hand). The kernels'
-    experimental "...h" variants set l2_hints."""
-    if l2_hints:
-        policy = l2_evict_last_policy() if reused else l2_evict_first_policy()
-        cp_async_16_l2_hint(_swizzled_smem_address(dst.iterator), src.iterator, policy)
-    else:
-        cute.copy(cp_atom, src, dst)
 
 
 def _rows(dtype, n_rows, n_cols, align=16):

@@ -113,7 +113,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 import cuda.bindings.driver as cuda
 
-from jax_dsa.kernels.sm90.common import (LOG2_E, bwd_fake_args, compile_options, copy_16,
+from jax_dsa.kernels.sm90.common import (LOG2_E, bwd_fake_args, compile_options,
                                          red_add_v4_f32, st_global_v4_f32)
 
 
@@ -154,7 +154,7 @@ DS_EMPTY = 2
 
 class SparseMlaBwdWgmmaSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                 wg0_chunks: int | None = None, l2_hints: bool = False):
+                 wg0_chunks: int | None = None):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -188,10 +188,6 @@ class SparseMlaBwdWgmmaSm90:
             wg0_chunks = 4 if d_qk == 512 else 3
         assert 0 <= wg0_chunks < self.n_ch
         self.wg0_chunks = wg0_chunks
-        # l2_hints (experimental "wgh"): the kv gather's cp.async carry an L2 evict_last policy,
-        # the q / dO loads (read once) evict_first, both with the 256-byte L2 prefetch hint (as
-        # FlashMLA's forward does), so that the streamed rows do not push kv lines out of L2.
-        self.l2_hints = l2_hints
 
 
     # ---------------------------------------------------------------- host side
@@ -342,8 +338,7 @@ class SparseMlaBwdWgmmaSm90:
                 g_row = kv_batch + cutlass.Int64(row)
                 for i in cutlass.range_constexpr(n_chunks // self.g_tpr):
                     c = c_lo + gsub + self.g_tpr * i
-                    copy_16(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKV, r, c),
-                            self.l2_hints, True)
+                    cute.copy(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKV, r, c))
             else:
                 for i in cutlass.range_constexpr(n_chunks // self.g_tpr):
                     self._chunk(sKV, r, c_lo + gsub + self.g_tpr * i).fill(0)
@@ -439,12 +434,10 @@ class SparseMlaBwdWgmmaSm90:
         if q_ok:
             for i in cutlass.range_constexpr(self.chunks // self.io_tpr):
                 c = csub + self.io_tpr * i
-                copy_16(cp_atom, self._chunk(mQ, q_row, c), self._chunk(sQ, crow, c),
-                        self.l2_hints, False)
+                cute.copy(cp_atom, self._chunk(mQ, q_row, c), self._chunk(sQ, crow, c))
             for i in cutlass.range_constexpr(d_v // 8 // self.io_tpr):
                 c = csub + self.io_tpr * i
-                copy_16(cp_atom, self._chunk(mDO, q_row, c), self._chunk(sDO, crow, c),
-                        self.l2_hints, False)
+                cute.copy(cp_atom, self._chunk(mDO, q_row, c), self._chunk(sDO, crow, c))
         else:
             for i in cutlass.range_constexpr(self.chunks // self.io_tpr):
                 self._chunk(sQ, crow, csub + self.io_tpr * i).fill(0)
@@ -858,10 +851,8 @@ class SparseMlaBwdWgmmaSm90:
 
 # -------------------------------------------------------------------- AOT compile entry
 def compile_bwd_wgmma(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                      options: str | None = None, wg0_chunks: int | None = None,
-                      l2_hints: bool = False):
+                      options: str | None = None, wg0_chunks: int | None = None):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
-    return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks,
-                                              l2_hints),
+    return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))

@@ -4,7 +4,10 @@ Same math, grid, arguments and contract as sparse_mla_fwd_ws (export tag "ws2"; 
 selects the predecessor). Measured on the H200 (T = S = 4096, D = 512, K = 640): H = 64 0.83 ms
 against ws's 0.91, H = 128 1.70 ms (ws 1.71), K = 1152 2.81 ms (ws 2.80): short of the 2.6-3.2
 kclk/block predicted below. ncu at H = 64: tensor pipe 44 % busy, L2 33 %, L1 49 %, issue slots
-37 %, nothing saturated; the gather is the suspect (see docs/performance.md).
+37 %, nothing saturated; the gather is the suspect (see docs/performance.md). v9 (2026-11-30):
+lazy O rescaling (LAZY_RESCALE_LOG2; the chain below then skips the O / row-sum multiplies and
+WG0's second P0 store while the maxima do not move), 2-4 % faster: H = 64 0.81 ms, H = 128
+1.59 ms, K = 1152 2.59 ms.
 
 Measured and removed (git history, docs/performance.md): "ws2c" (the two head blocks of a token
 as a 2-CTA cluster sharing each gathered row over DSMEM: correct, 17 % slower at H = 128),
@@ -39,9 +42,10 @@ Design: ping-pong over pairs of blocks (FlashMLA's SM90 scheduling idea, re-deri
     per block and group), the other group with P from shared memory (SS). P V stays 1024
     clk/block of math; smem 32 + 32 + 8 KB per pair and group.
   * Max exchange is a chain instead of a rendezvous (one named barrier each way per pair):
-      WG0: S0 -> m0 = max(m, rowmax S0) -> publish m0 (bar.arrive M0) -> P0 = exp2(S0 - m0),
-           O_0 *= exp2(m - m0) -> issue O_0 += P0 V0[:, :256] (RS) -> wait M1 -> m1 ->
-           P0' = P0 * exp2(m0 - m1) to smem (bar.arrive P0) -> O_0 *= exp2(m0 - m1) ->
+      WG0: S0 -> m0 = max(m, rowmax S0) (lazily m) -> publish m0 (bar.arrive M0) -> P0 = exp2(S0 - m0),
+           O_0 *= exp2(m - m0), P0 to smem -> issue O_0 += P0 V0[:, :256] (RS) -> wait M1 ->
+           m1 -> (if m1 != m0: P0' = P0 * exp2(m0 - m1) to smem, O_0 *= exp2(m0 - m1)) ->
+           bar.arrive P0 ->
            wait P1 -> issue O_0 += P1 V1[:, :256] (SS, left in flight under the next Q K^T).
       WG1: S1 -> wait M0 -> m1 = max(m0, rowmax S1) -> publish (bar.arrive M1) -> P1, O_1 *=
            exp2(m - m1) -> issue O_1 += P1 V1[:, 256:] (RS), P1 to smem (bar.arrive P1) ->
