@@ -42,8 +42,8 @@ Design: ping-pong over pairs of blocks (FlashMLA's SM90 scheduling idea, re-deri
     per block and group), the other group with P from shared memory (SS). P V stays 1024
     clk/block of math; smem 32 + 32 + 8 KB per pair and group.
   * Max exchange is a chain instead of a rendezvous (one named barrier each way per pair):
-      WG0: S0 -> m0 = max(m, rowmax S0) (lazily m) -> publish m0 (bar.arrive M0) -> P0 = exp2(S0 - m0),
-           O_0 *= exp2(m - m0), P0 to smem -> issue O_0 += P0 V0[:, :256] (RS) -> wait M1 ->
+      WG0: S0 -> m0 = max(m, rowmax S0) (lazily m) -> publish m0 (bar.arrive M0) ->
+           P0 = exp2(S0 - m0), O_0 *= exp2(m - m0), P0 to smem -> issue O_0 += P0 V0[:, :256] (RS) -> wait M1 ->
            m1 -> (if m1 != m0: P0' = P0 * exp2(m0 - m1) to smem, O_0 *= exp2(m0 - m1)) ->
            bar.arrive P0 ->
            wait P1 -> issue O_0 += P1 V1[:, :256] (SS, left in flight under the next Q K^T).
