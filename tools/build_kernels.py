@@ -47,7 +47,12 @@ BWD_VARIANTS = {
 # JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>; their GPU status goes in docs/performance.md (the
 # ones measured slower, e.g. ws2c and wgc, were removed: git history).
 # (The L2 cache-hint candidates ws2h / ws2hl / wgh were measured and removed: docs.)
-EXPERIMENTAL_FWD = {}
+# ws2r: ws2 with WG0 releasing ring halves 0 L / 1 L as soon as its wgmma reading them completes
+# (ncu of v9: the consumers' largest stalls are their "full" waits, WG1's on 1 L the largest);
+# CPU-built, not yet run on a GPU.
+EXPERIMENTAL_FWD = {
+    "ws2r": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"early_release": True}),
+}
 EXPERIMENTAL_BWD = {}
 # (dtype name, Dqk); one export per variant and spec.
 FWD_SPECS = [("bf16", 512), ("bf16", 576), ("f16", 512), ("f16", 576)]

@@ -15,7 +15,8 @@ For each specialization (bf16/f16 x Dqk 512/576): compile for sm_90a keeping the
 source tree is written), then
   * cuobjdump --dump-resource-usage: registers, stack frame, local memory per kernel function;
   * nvdisasm: counts of HGMMA / HMMA, LDGSTS, SYNCS (mbarrier), BAR, UBLKRED (TMA bulk
-    reduce), WARPGROUP.DEPBAR (one after every HGMMA means ptxas serialized the wgmma chain),
+    reduce), WARPGROUP.DEPBAR (one after every HGMMA, or more than one per two HGMMA, means
+    ptxas serialized the wgmma chain),
     LDL / STL, and RED / STG vector widths.
 Fails on spills or local memory (unless --allow-spills), on serialized wgmma, on a missing
 tensor-core instruction
@@ -190,6 +191,11 @@ def main():
             problems.append(f"{prefix}: no {need} in the SASS")
         if ops["HGMMA"] > 2 and ops["HGMMA>DEPBAR"] >= ops["HGMMA"]:
             problems.append(f"{prefix}: every HGMMA is followed by a DEPBAR (serialized wgmma)")
+        elif ops["HGMMA"] > 2 and 2 * ops["WARPGROUP.DEPBAR"] > ops["HGMMA"]:
+            # ptxas's C7514 fallback does not always put a wait after every HGMMA, but it
+            # multiplies the waits (ws2 with one wgmma wait moved: 7 -> 112 for 112 HGMMA).
+            problems.append(f"{prefix}: {ops['WARPGROUP.DEPBAR']} WARPGROUP.DEPBAR for "
+                            f"{ops['HGMMA']} HGMMA (ptxas inserted wgmma waits, C7514)")
         if (ops["LDL"] or ops["STL"]) and not args.allow_spills:
             problems.append(f"{prefix}: local memory (LDL {ops['LDL']}, STL {ops['STL']})")
         if any(k.startswith("RED") and k.endswith(".F32") for k in wide):

@@ -116,8 +116,13 @@ EMPTY_0L, EMPTY_0R, EMPTY_1L, EMPTY_1R = 4, 5, 6, 7
 
 
 class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
-    def __init__(self, dtype, d_qk: int, d_v: int = 512):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512, early_release: bool = False):
         super().__init__(dtype, d_qk, d_v)
+        # early_release (experimental "ws2r"): WG0 releases stage 0 L and 1 L as soon as the
+        # wgmma reading them completes, not after the next barrier / full wait (see kernel()).
+        # (The same for WG1's 1 R, a wait before the P0 barrier, made ptxas serialize every
+        # wgmma, C7514: not done.)
+        self.early_release = early_release
         self.bn_g = self.bn  # each owner scores all 64 keys of its block
         self.half_chunks = self.dv_g // 8  # 16-byte chunks of the L half (32)
         self.k_half = self.dv_g // 16  # k16 steps of Q K^T over the L half (16)
@@ -529,6 +534,11 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                         cute.gemm(pv_rs, acc_O, tOrP[None, None, k], tOrV_own[None, None, k],
                                   acc_O)
                     warpgroup.commit_group()
+                    if cutlass.const_expr(self.early_release):
+                        # stage 0 L is free once the RS P V is: the producer refills it while
+                        # this group waits for WG1's max (ncu v9: WG0's full waits 6 %).
+                        warpgroup.wait_group(0)
+                        cute.arch.mbarrier_arrive(mbar + EMPTY_0L)
                     # WG1's pair max (>= m_own); factor f = exp2(m_own - m1), 0 if m_own = -inf
                     # (then P0 = 0 and O_0 = 0 already).
                     cute.arch.barrier(barrier_id=BAR_M1, number_of_threads=self.n_cons)
@@ -542,8 +552,9 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                         row_max[r] = m1
                         if cutlass.const_expr(r > 0):
                             pair_moved = pair_moved | (m1 != mo)
-                    warpgroup.wait_group(0)
-                    cute.arch.mbarrier_arrive(mbar + EMPTY_0L)
+                    if cutlass.const_expr(not self.early_release):
+                        warpgroup.wait_group(0)
+                        cute.arch.mbarrier_arrive(mbar + EMPTY_0L)
                     # If the pair max moved past m_own: P0' = P0 * f for WG1 (from the fp32
                     # values), O_0 *= f.
                     if pair_moved:
@@ -565,6 +576,12 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                             cute.gemm(pv_ss, acc_O, tOrP_oth[None, None, k],
                                       tOrV_oth[None, None, k], acc_O)
                         warpgroup.commit_group()
+                    if cutlass.const_expr(self.early_release):
+                        # stage 1 L released when the SS P V ends, not after the next pair's
+                        # 0 L fill (ncu v9: WG1's wait for 1 L was its largest stall, 5.4 %).
+                        warpgroup.wait_group(0)
+                        if m + 1 < n_pairs:
+                            cute.arch.mbarrier_arrive(mbar + EMPTY_1L)
                     if m + 1 < n_pairs:
                         ph = (m + 1) % 2
                         cute.arch.mbarrier_wait(mbar + FULL_0L, ph)
@@ -574,8 +591,9 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                             qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
                             cute.gemm(qk_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
                         warpgroup.commit_group()
-                        warpgroup.wait_group(1)
-                        cute.arch.mbarrier_arrive(mbar + EMPTY_1L)  # m + 1 < n_pairs: has1
+                        if cutlass.const_expr(not self.early_release):
+                            warpgroup.wait_group(1)
+                            cute.arch.mbarrier_arrive(mbar + EMPTY_1L)  # m + 1 < n_pairs: has1
                         cute.arch.mbarrier_wait(mbar + FULL_0R, ph)
                         cute.arch.fence_proxy("async.shared", space="cta")
                         warpgroup.fence()
@@ -657,8 +675,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                            sO_layout, sOg_layout, pv_rs, bt, h0, H, cg, gtid, crow, csub, q_ok)
 
 
-def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512):
+def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512, early_release: bool = False):
     """Compile with shape-only tensors (common.fwd_fake_args)."""
-    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v),
+    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v, early_release),
                         *fwd_fake_args(dtype, d_qk, d_v))
 
