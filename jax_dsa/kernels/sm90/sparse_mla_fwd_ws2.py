@@ -48,8 +48,8 @@ Design: ping-pong over pairs of blocks (FlashMLA's SM90 scheduling idea, re-deri
            O_0 *= exp2(m0 - m1)) -> bar.arrive P0 -> wait P1 -> issue O_0 += P1 V1[:, :256]
            (SS, left in flight under the next Q K^T).
       WG1: S1 -> wait M0 -> m1 = max(m0, rowmax S1) (lazily m0) -> publish (bar.arrive M1) ->
-           P1, O_1 *= exp2(m - m1) -> issue O_1 += P1 V1[:, 256:] (RS), P1 to smem (bar.arrive P1) ->
-           wait P0 -> issue O_1 += P0' V0[:, 256:] (SS) -> wait both, release.
+           P1, O_1 *= exp2(m - m1) -> issue O_1 += P1 V1[:, 256:] (RS), P1 to smem
+           (bar.arrive P1) -> wait P0 -> issue O_1 += P0' V0[:, 256:] (SS) -> wait both, release.
     Both end a pair with the same running max m1, so their row sums add up in the epilogue.
     While WG0 runs its softmax, WG1's Q K^T (and vice versa) keeps the tensor cores busy: the
     softmax (~600-800 clk of latency: masks, shuffles, 32 exp2, 128 O FMULs, P store, fences)
