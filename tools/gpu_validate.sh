@@ -61,15 +61,22 @@ for step in "${steps[@]}"; do
         python3 tools/ncu_hot_lines.py "$out/src_$1_h$2_k$3.csv" 20 | cut -c1-160
       done ;;
     candidates)  # experimental variants (library built with --experimental), named by
-      # FWD_CANDIDATES / BWD_CANDIDATES (space-separated tags): forward smoke cases first (a
-      # barrier-protocol bug hangs: short timeouts), then speed against the default
+      # FWD_CANDIDATES / BWD_CANDIDATES (space-separated tags): the GPU tests of the pass with
+      # the candidate forced first (forward ~40 s, backward ~4 min; a barrier-protocol bug
+      # hangs: time limits), then speed against the default
       rc=0
       [ -n "${FWD_CANDIDATES:-}${BWD_CANDIDATES:-}" ] || echo "no FWD_CANDIDATES / BWD_CANDIDATES given"
       for v in ${FWD_CANDIDATES:-}; do
-        timeout 200 python3 tools/gpu_smoke_fwd.py --impl "$v" --skip-timing \
-          > "$out/cand_smoke_$v.log" 2>&1
+        JAX_DSA_FWD_IMPL="$v" timeout 150 python3 -m pytest -q tests/test_gpu_forward.py \
+          > "$out/cand_tests_$v.log" 2>&1
         r=$?; [ $r -eq 0 ] || rc=$r
-        echo "smoke $v rc=$r (124: timed out, e.g. a hang): $(grep -c "^\[PASS\]" "$out/cand_smoke_$v.log") PASS, $(grep -c "^\[FAIL\]" "$out/cand_smoke_$v.log") FAIL"
+        echo "forward tests with $v rc=$r (124: timed out, e.g. a hang): $(tail -1 "$out/cand_tests_$v.log")"
+      done
+      for v in ${BWD_CANDIDATES:-}; do
+        JAX_DSA_BWD_IMPL="$v" timeout 330 python3 -m pytest -q tests/test_gpu_backward.py \
+          > "$out/cand_tests_$v.log" 2>&1
+        r=$?; [ $r -eq 0 ] || rc=$r
+        echo "backward tests with $v rc=$r (124: timed out, e.g. a hang): $(tail -1 "$out/cand_tests_$v.log")"
       done
       # speed: tools/ab_bench.py (default and candidates alternated over 3 rounds, ~35 s per
       # benchmark process; ratios to the default of the same round; AB_HEADS=64,128 times only
