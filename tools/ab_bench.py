@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """A / B speed comparison of kernel variants on the GPU, with the run-to-run drift cancelled:
 
-    python tools/ab_bench.py --pass fwd --impls default,ws2h [--rounds 3] [--heads 64,128] [--out DIR]
-    python tools/ab_bench.py --pass bwd --impls default,wgh
+    python tools/ab_bench.py --pass fwd --impls default,ws2r [--rounds 3] [--heads 64,128]
+                             [--out DIR]
+    python tools/ab_bench.py --pass bwd --impls default,<tag>
 
 Why: separate benchmark processes of the same export differ by ~2 % (clocks, placement), as
 much as the gains we try to measure. This runs examples/benchmark.py --quick once per variant

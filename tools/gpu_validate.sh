@@ -12,6 +12,15 @@ cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/jax_dsa_gpu}"
 mkdir -p "$out"
 steps=("$@")
+
+# candidate_tests ENV_VAR TAG forward|backward SECONDS: that pass's GPU tests with the variant
+# forced; sets rc on failure (124: timed out, e.g. a hang).
+candidate_tests() {
+  env "$1=$2" timeout "$4" python3 -m pytest -q "tests/test_gpu_$3.py" > "$out/cand_tests_$2.log" 2>&1
+  local r=$?
+  [ $r -eq 0 ] || rc=$r
+  echo "$3 tests with $2 rc=$r (124: timed out, e.g. a hang): $(tail -1 "$out/cand_tests_$2.log")"
+}
 [ ${#steps[@]} -gt 0 ] || steps=(tests memcheck)
 nvidia-smi -L
 echo "FWD_IMPL=${JAX_DSA_FWD_IMPL:-default} BWD_IMPL=${JAX_DSA_BWD_IMPL:-default} commit $(git rev-parse --short HEAD 2>/dev/null)"
@@ -66,18 +75,8 @@ for step in "${steps[@]}"; do
       # hangs: time limits), then speed against the default
       rc=0
       [ -n "${FWD_CANDIDATES:-}${BWD_CANDIDATES:-}" ] || echo "no FWD_CANDIDATES / BWD_CANDIDATES given"
-      for v in ${FWD_CANDIDATES:-}; do
-        JAX_DSA_FWD_IMPL="$v" timeout 150 python3 -m pytest -q tests/test_gpu_forward.py \
-          > "$out/cand_tests_$v.log" 2>&1
-        r=$?; [ $r -eq 0 ] || rc=$r
-        echo "forward tests with $v rc=$r (124: timed out, e.g. a hang): $(tail -1 "$out/cand_tests_$v.log")"
-      done
-      for v in ${BWD_CANDIDATES:-}; do
-        JAX_DSA_BWD_IMPL="$v" timeout 330 python3 -m pytest -q tests/test_gpu_backward.py \
-          > "$out/cand_tests_$v.log" 2>&1
-        r=$?; [ $r -eq 0 ] || rc=$r
-        echo "backward tests with $v rc=$r (124: timed out, e.g. a hang): $(tail -1 "$out/cand_tests_$v.log")"
-      done
+      for v in ${FWD_CANDIDATES:-}; do candidate_tests JAX_DSA_FWD_IMPL "$v" forward 150; done
+      for v in ${BWD_CANDIDATES:-}; do candidate_tests JAX_DSA_BWD_IMPL "$v" backward 330; done
       # speed: tools/ab_bench.py (default and candidates alternated over 3 rounds, ~35 s per
       # benchmark process; ratios to the default of the same round; AB_HEADS=64,128 times only
       # those head counts)
