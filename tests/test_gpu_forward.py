@@ -45,12 +45,13 @@ def _kernel_or_skip():
     pytest.skip(problem)
 
 
-def _run_kernel(p, dtype):
+def _run_kernel(p, dtype, scale=None):
   """The kernel through the FFI with poisoned outputs: (q, kv, o, lse) on the device."""
   from jax_dsa import _native
   q, kv = jnp.asarray(p.q, dtype), jnp.asarray(p.kv, dtype)
   sink = np.full(p.q.shape[2], -np.inf, np.float32) if p.sink is None else p.sink
-  fwd = jax.jit(functools.partial(_native.sparse_mla_fwd, scale=p.scale, poison_outputs=True))
+  scale = p.scale if scale is None else scale
+  fwd = jax.jit(functools.partial(_native.sparse_mla_fwd, scale=scale, poison_outputs=True))
   o, lse = fwd(q, kv, jnp.asarray(p.idx), jnp.asarray(p.lengths), jnp.asarray(sink))
   return q, kv, o, lse
 
@@ -99,6 +100,27 @@ def test_running_max_that_jumps_between_blocks(h, d):
   np.testing.assert_array_equal(np.isneginf(lse), ~live)
   assert rel_err(o, o_ref) < 1e-2, rel_err(o, o_ref)
   assert np.max(np.abs(lse[live] - lse_ref[live])) < 2e-3 * np.max(np.abs(lse_ref[live]))
+
+
+@pytest.mark.parametrize("h,d,scale", [(16, 512, 0.0), (64, 576, -0.04), (128, 512, 0.0),
+                                       (100, 512, -0.02)])
+def test_zero_and_negative_scale(h, d, scale):
+  """scale <= 0 with invalid entries: a kernel that masks before scaling gets -inf * 0 = NaN or
+  -inf * (-c) = +inf for the masked scores. (scale 0: uniform weights over the valid entries.)"""
+  _kernel_or_skip()
+  p = make_problem(np.random.default_rng(h + d), 1, 12, h, d, 3000, 640, sink=True,
+                   topk="partial")
+  q, kv, o, lse = _run_kernel(p, jnp.bfloat16, scale=scale)
+  o_ref, lse_ref = oracle.numpy_forward(np.asarray(q, np.float32), np.asarray(kv, np.float32),
+                                        p.idx, p.lengths, p.sink, scale, 512)
+  o, lse = np.asarray(o, np.float32), np.asarray(lse)
+  assert not np.isnan(o).any() and not np.isnan(lse).any(), "unwritten or NaN outputs"
+  dead = np.isneginf(lse_ref)
+  np.testing.assert_array_equal(np.isneginf(lse), dead)
+  assert np.all(o[dead] == 0.0)
+  assert rel_err(o, o_ref) < 1e-2, rel_err(o, o_ref)
+  assert np.max(np.abs(lse[~dead] - lse_ref[~dead])) < 2e-3 * max(
+      1.0, np.max(np.abs(lse_ref[~dead])))
 
 
 def test_float16_and_default_dispatch_use_the_kernel():

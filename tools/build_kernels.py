@@ -47,13 +47,17 @@ BWD_VARIANTS = {
 # JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>; their GPU status goes in docs/performance.md (the
 # ones measured slower, e.g. ws2c and wgc, were removed: git history).
 # (The L2 cache-hint candidates ws2h / ws2hl / wgh were measured and removed: docs.)
-# ws2r: ws2 with WG0 releasing ring halves 0 L / 1 L as soon as its wgmma reading them completes
-# (ncu of v9: the consumers' largest stalls are their "full" waits, WG1's on 1 L the largest);
-# CPU-built, not yet run on a GPU.
+# (ws2r, the early release of ring halves, measured faster and became ws2 in v10.)
+# ws2s: P tiles stored with stmatrix; ws2t: that plus WG1 issuing its RS P V before storing P1
+# (FlashMLA's order).
 EXPERIMENTAL_FWD = {
-    "ws2r": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"early_release": True}),
+    "ws2s": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"stmatrix_p": True}),
+    "ws2t": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"stmatrix_p": True, "p1_late": True}),
 }
-EXPERIMENTAL_BWD = {}
+# wgs: the backward's P / dS tiles stored with stmatrix.
+EXPERIMENTAL_BWD = {
+    "wgs": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"stmatrix_p": True}),
+}
 # (dtype name, Dqk); one export per variant and spec.
 FWD_SPECS = [("bf16", 512), ("bf16", 576), ("f16", 512), ("f16", 576)]
 

@@ -309,13 +309,15 @@ class SparseMlaFwdWsSm90(SparseMlaFwdTileSm90):
                     cute.gemm(qk_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
+                # Scale first, then mask: -inf * scale is NaN for scale 0, +inf for scale < 0.
+                for r in cutlass.range_constexpr(n_rows):
+                    S_mn[r, None] = S_mn[r, None].load() * scale_log2
                 for c in cutlass.range_constexpr(cute.size(S_mn, mode=[1])):
                     if sValid[stage * bn + cg * bn_g + tScS[0, c][1]] == 0:
                         for r in cutlass.range_constexpr(n_rows):
                             S_mn[r, c] = -cutlass.Float32.inf
                 m_blk = cute.make_rmem_tensor(n_rows, cutlass.Float32)
                 for r in cutlass.range_constexpr(n_rows):
-                    S_mn[r, None] = S_mn[r, None].load() * scale_log2
                     m_blk[r] = self._quad_allreduce(
                         S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0),
                         cute.arch.fmax,

@@ -116,13 +116,15 @@ EMPTY_0L, EMPTY_0R, EMPTY_1L, EMPTY_1R = 4, 5, 6, 7
 
 
 class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
-    def __init__(self, dtype, d_qk: int, d_v: int = 512, early_release: bool = False):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512, stmatrix_p: bool = False,
+                 p1_late: bool = False):
         super().__init__(dtype, d_qk, d_v)
-        # early_release (experimental "ws2r"): WG0 releases stage 0 L and 1 L as soon as the
-        # wgmma reading them completes, not after the next barrier / full wait (see kernel()).
-        # (The same for WG1's 1 R, a wait before the P0 barrier, made ptxas serialize every
-        # wgmma, C7514: not done.)
-        self.early_release = early_release
+        # Experimental ("ws2s" / "ws2t"): stmatrix_p stores the P tiles with stmatrix (2
+        # instructions per thread instead of 16 scalar stores); p1_late has WG1 issue its RS P V
+        # before storing P1 for WG0 (from a second conversion, so no register of the in-flight
+        # wgmma is read).
+        self.stmatrix_p = stmatrix_p
+        self.p1_late = p1_late
         self.bn_g = self.bn  # each owner scores all 64 keys of its block
         self.half_chunks = self.dv_g // 8  # 16-byte chunks of the L half (32)
         self.k_half = self.dv_g // 16  # k16 steps of Q K^T over the L half (16)
@@ -307,12 +309,14 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                         stage: cutlass.Constexpr, scale_log2: cutlass.Float32,
                         mx: cute.Tensor):
         n_rows = cute.size(S_mn, mode=[0])
+        # Scale first, then mask: -inf * scale is NaN for scale 0 and +inf for scale < 0.
+        for r in cutlass.range_constexpr(n_rows):
+            S_mn[r, None] = S_mn[r, None].load() * scale_log2
         for c in cutlass.range_constexpr(cute.size(S_mn, mode=[1])):
             if sValid[stage * self.bn + tScS[0, c][1]] == 0:
                 for r in cutlass.range_constexpr(n_rows):
                     S_mn[r, c] = -cutlass.Float32.inf
         for r in cutlass.range_constexpr(n_rows):
-            S_mn[r, None] = S_mn[r, None].load() * scale_log2
             mx[r] = self._quad_allreduce(
                 S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0),
                 cute.arch.fmax,
@@ -485,8 +489,11 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                 p0_ptr = p1_ptr + cute.assume(cute.cosize(sP_layout), divby=512)
             sP0 = cute.make_tensor(p0_ptr, sP_layout)
             sP1 = cute.make_tensor(p1_ptr, sP_layout)
+            p_store_op = cute.nvgpu.CopyUniversalOp()
+            if cutlass.const_expr(self.stmatrix_p):
+                p_store_op = cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4)
             r2s_p = cute.make_tiled_copy_C(
-                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), qk_mma
+                cute.make_copy_atom(p_store_op, self.dtype), qk_mma
             ).get_slice(gtid)
             n_kv = cute.size(tOrP, mode=[2])
 
@@ -534,11 +541,10 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                         cute.gemm(pv_rs, acc_O, tOrP[None, None, k], tOrV_own[None, None, k],
                                   acc_O)
                     warpgroup.commit_group()
-                    if cutlass.const_expr(self.early_release):
-                        # stage 0 L is free once the RS P V is: the producer refills it while
-                        # this group waits for WG1's max (ncu v9: WG0's full waits 6 %).
-                        warpgroup.wait_group(0)
-                        cute.arch.mbarrier_arrive(mbar + EMPTY_0L)
+                    # Stage 0 L is free once the RS P V is: the producer refills it while this
+                    # group waits for WG1's max (v10 "early release").
+                    warpgroup.wait_group(0)
+                    cute.arch.mbarrier_arrive(mbar + EMPTY_0L)
                     # WG1's pair max (>= m_own); factor f = exp2(m_own - m1), 0 if m_own = -inf
                     # (then P0 = 0 and O_0 = 0 already).
                     cute.arch.barrier(barrier_id=BAR_M1, number_of_threads=self.n_cons)
@@ -552,9 +558,6 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                         row_max[r] = m1
                         if cutlass.const_expr(r > 0):
                             pair_moved = pair_moved | (m1 != mo)
-                    if cutlass.const_expr(not self.early_release):
-                        warpgroup.wait_group(0)
-                        cute.arch.mbarrier_arrive(mbar + EMPTY_0L)
                     # If the pair max moved past m_own: P0' = P0 * f for WG1 (from the fp32
                     # values), O_0 *= f.
                     if pair_moved:
@@ -576,12 +579,13 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                             cute.gemm(pv_ss, acc_O, tOrP_oth[None, None, k],
                                       tOrV_oth[None, None, k], acc_O)
                         warpgroup.commit_group()
-                    if cutlass.const_expr(self.early_release):
-                        # stage 1 L released when the SS P V ends, not after the next pair's
-                        # 0 L fill (ncu v9: WG1's wait for 1 L was its largest stall, 5.4 %).
-                        warpgroup.wait_group(0)
-                        if m + 1 < n_pairs:
-                            cute.arch.mbarrier_arrive(mbar + EMPTY_1L)
+                    # Stage 1 L released when the SS P V ends, not after the next pair's 0 L
+                    # fill (ncu v9: WG1's wait for 1 L was its largest stall, 5.4 %). (The same
+                    # for WG1's 1 R, a wait before the P0 barrier, made ptxas serialize every
+                    # wgmma, C7514.)
+                    warpgroup.wait_group(0)
+                    if m + 1 < n_pairs:
+                        cute.arch.mbarrier_arrive(mbar + EMPTY_1L)
                     if m + 1 < n_pairs:
                         ph = (m + 1) % 2
                         cute.arch.mbarrier_wait(mbar + FULL_0L, ph)
@@ -591,9 +595,6 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                             qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
                             cute.gemm(qk_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
                         warpgroup.commit_group()
-                        if cutlass.const_expr(not self.early_release):
-                            warpgroup.wait_group(1)
-                            cute.arch.mbarrier_arrive(mbar + EMPTY_1L)  # m + 1 < n_pairs: has1
                         cute.arch.mbarrier_wait(mbar + FULL_0R, ph)
                         cute.arch.fence_proxy("async.shared", space="cta")
                         warpgroup.fence()
@@ -645,14 +646,20 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                         # registers (storing after the issue would read registers of an
                         # in-flight wgmma: ptxas then serializes every wgmma, C7514).
                         rP.store(acc_S.load().to(self.dtype))
-                        cute.copy(r2s_p, r2s_p.retile(rP), tPsP)
-                        cute.arch.fence_proxy("async.shared", space="cta")
+                        if cutlass.const_expr(not self.p1_late):
+                            cute.copy(r2s_p, r2s_p.retile(rP), tPsP)
+                            cute.arch.fence_proxy("async.shared", space="cta")
                         warpgroup.fence()
                         pv_rs.set(warpgroup.Field.ACCUMULATE, True)
                         for k in cutlass.range_constexpr(n_kv):
                             cute.gemm(pv_rs, acc_O, tOrP[None, None, k],
                                       tOrV_own[None, None, k], acc_O)
                         warpgroup.commit_group()
+                        if cutlass.const_expr(self.p1_late):
+                            rP1 = cute.make_fragment_like(acc_S, self.dtype)
+                            rP1.store(acc_S.load().to(self.dtype))
+                            cute.copy(r2s_p, r2s_p.retile(rP1), tPsP)
+                            cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.barrier_arrive(barrier_id=BAR_P1, number_of_threads=self.n_cons)
                     # O_1 += P0' V0[:, 256:] (P0' from shared memory).
                     cute.arch.barrier(barrier_id=BAR_P0, number_of_threads=self.n_cons)
@@ -675,8 +682,9 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                            sO_layout, sOg_layout, pv_rs, bt, h0, H, cg, gtid, crow, csub, q_ok)
 
 
-def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512, early_release: bool = False):
-    """Compile with shape-only tensors (common.fwd_fake_args)."""
-    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v, early_release),
+def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512, **flags):
+    """Compile with shape-only tensors (common.fwd_fake_args); flags: the experimental switches
+    of SparseMlaFwdWs2Sm90."""
+    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v, **flags),
                         *fwd_fake_args(dtype, d_qk, d_v))
 
