@@ -48,16 +48,14 @@ BWD_VARIANTS = {
 # ones measured slower, e.g. ws2c and wgc, were removed: git history).
 # (The L2 cache-hint candidates ws2h / ws2hl / wgh were measured and removed: docs.)
 # (ws2r, the early release of ring halves, measured faster and became ws2 in v10.)
-# ws2s: P tiles stored with stmatrix; ws2t: that plus WG1 issuing its RS P V before storing P1
-# (FlashMLA's order).
+# ws2t: P tiles stored with stmatrix, and WG1 issuing its RS P V before storing P1 (FlashMLA's
+# order).
 EXPERIMENTAL_FWD = {
-    "ws2s": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"stmatrix_p": True}),
     "ws2t": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"stmatrix_p": True, "p1_late": True}),
 }
-# wgs: the backward's P / dS tiles stored with stmatrix.
-EXPERIMENTAL_BWD = {
-    "wgs": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"stmatrix_p": True}),
-}
+# (wgs, the backward's P / dS tiles stored with stmatrix, measured within the spread:
+# removed.)
+EXPERIMENTAL_BWD = {}
 # (dtype name, Dqk); one export per variant and spec.
 FWD_SPECS = [("bf16", 512), ("bf16", 576), ("f16", 512), ("f16", 576)]
 

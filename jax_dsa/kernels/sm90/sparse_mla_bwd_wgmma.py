@@ -154,7 +154,7 @@ DS_EMPTY = 2
 
 class SparseMlaBwdWgmmaSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                 wg0_chunks: int | None = None, stmatrix_p: bool = False):
+                 wg0_chunks: int | None = None):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -188,9 +188,6 @@ class SparseMlaBwdWgmmaSm90:
             wg0_chunks = 4 if d_qk == 512 else 3
         assert 0 <= wg0_chunks < self.n_ch
         self.wg0_chunks = wg0_chunks
-        # Experimental ("wgs"): WG0 stores the P / dS tiles with stmatrix (4 instructions per
-        # thread and block instead of 32 scalar stores).
-        self.stmatrix_p = stmatrix_p
 
 
     # ---------------------------------------------------------------- host side
@@ -546,11 +543,8 @@ class SparseMlaBwdWgmmaSm90:
             scale_log2 = scale * LOG2_E
             if cutlass.const_expr(self.wg0_chunks > 0):
                 dkv_mma.set(warpgroup.Field.ACCUMULATE, True)
-            p_store_op = cute.nvgpu.CopyUniversalOp()
-            if cutlass.const_expr(self.stmatrix_p):
-                p_store_op = cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4)
             r2s = cute.make_tiled_copy_C(
-                cute.make_copy_atom(p_store_op, self.dtype), sdp_mma
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), sdp_mma
             ).get_slice(gtid)
 
             for blk in range(n_blocks):
@@ -857,10 +851,8 @@ class SparseMlaBwdWgmmaSm90:
 
 # -------------------------------------------------------------------- AOT compile entry
 def compile_bwd_wgmma(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                      options: str | None = None, wg0_chunks: int | None = None,
-                      stmatrix_p: bool = False):
+                      options: str | None = None, wg0_chunks: int | None = None):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
-    return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks,
-                                              stmatrix_p),
+    return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))

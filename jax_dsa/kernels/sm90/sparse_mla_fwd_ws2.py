@@ -560,6 +560,10 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                             pair_moved = pair_moved | (m1 != mo)
                     # If the pair max moved past m_own: P0' = P0 * f for WG1 (from the fp32
                     # values), O_0 *= f.
+                    if cutlass.const_expr(self.stmatrix_p):
+                        # stmatrix is warp-collective: the whole warp takes the branch (f = 1
+                        # for the rows that did not move).
+                        pair_moved = cute.arch.vote_any_sync(pair_moved)
                     if pair_moved:
                         for r in cutlass.range_constexpr(n_rows):
                             S_mn[r, None] = S_mn[r, None].load() * mx[r]
