@@ -48,11 +48,9 @@ BWD_VARIANTS = {
 # ones measured slower, e.g. ws2c and wgc, were removed: git history).
 # (The L2 cache-hint candidates ws2h / ws2hl / wgh were measured and removed: docs.)
 # (ws2r, the early release of ring halves, measured faster and became ws2 in v10.)
-# ws2t: P tiles stored with stmatrix, and WG1 issuing its RS P V before storing P1 (FlashMLA's
-# order).
-EXPERIMENTAL_FWD = {
-    "ws2t": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"stmatrix_p": True, "p1_late": True}),
-}
+# (ws2t, stmatrix P tiles and WG1's RS P V issued before its P1 store, measured 1-2 % faster
+# and became ws2 in v10.)
+EXPERIMENTAL_FWD = {}
 # (wgs, the backward's P / dS tiles stored with stmatrix, measured within the spread:
 # removed.)
 EXPERIMENTAL_BWD = {}

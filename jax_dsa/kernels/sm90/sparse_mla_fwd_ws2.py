@@ -116,15 +116,8 @@ EMPTY_0L, EMPTY_0R, EMPTY_1L, EMPTY_1R = 4, 5, 6, 7
 
 
 class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
-    def __init__(self, dtype, d_qk: int, d_v: int = 512, stmatrix_p: bool = False,
-                 p1_late: bool = False):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512):
         super().__init__(dtype, d_qk, d_v)
-        # Experimental ("ws2s" / "ws2t"): stmatrix_p stores the P tiles with stmatrix (2
-        # instructions per thread instead of 16 scalar stores); p1_late has WG1 issue its RS P V
-        # before storing P1 for WG0 (from a second conversion, so no register of the in-flight
-        # wgmma is read).
-        self.stmatrix_p = stmatrix_p
-        self.p1_late = p1_late
         self.bn_g = self.bn  # each owner scores all 64 keys of its block
         self.half_chunks = self.dv_g // 8  # 16-byte chunks of the L half (32)
         self.k_half = self.dv_g // 16  # k16 steps of Q K^T over the L half (16)
@@ -489,11 +482,10 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                 p0_ptr = p1_ptr + cute.assume(cute.cosize(sP_layout), divby=512)
             sP0 = cute.make_tensor(p0_ptr, sP_layout)
             sP1 = cute.make_tensor(p1_ptr, sP_layout)
-            p_store_op = cute.nvgpu.CopyUniversalOp()
-            if cutlass.const_expr(self.stmatrix_p):
-                p_store_op = cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4)
+            # P tiles to shared memory with stmatrix (warp-collective: 4 per thread and tile).
             r2s_p = cute.make_tiled_copy_C(
-                cute.make_copy_atom(p_store_op, self.dtype), qk_mma
+                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype),
+                qk_mma,
             ).get_slice(gtid)
             n_kv = cute.size(tOrP, mode=[2])
 
@@ -560,10 +552,9 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                             pair_moved = pair_moved | (m1 != mo)
                     # If the pair max moved past m_own: P0' = P0 * f for WG1 (from the fp32
                     # values), O_0 *= f.
-                    if cutlass.const_expr(self.stmatrix_p):
-                        # stmatrix is warp-collective: the whole warp takes the branch (f = 1
-                        # for the rows that did not move).
-                        pair_moved = cute.arch.vote_any_sync(pair_moved)
+                    # stmatrix is warp-collective: the whole warp takes the branch (f = 1 for
+                    # the rows that did not move).
+                    pair_moved = cute.arch.vote_any_sync(pair_moved)
                     if pair_moved:
                         for r in cutlass.range_constexpr(n_rows):
                             S_mn[r, None] = S_mn[r, None].load() * mx[r]
@@ -646,24 +637,24 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                     for r in cutlass.range_constexpr(n_rows):
                         row_max[r] = m_own[r]
                     if has1:
-                        # P1 to shared memory (for WG0), then O_1 += P1 V1[:, 256:] with P1 in
-                        # registers (storing after the issue would read registers of an
-                        # in-flight wgmma: ptxas then serializes every wgmma, C7514).
+                        # O_1 += P1 V1[:, 256:] with P1 in registers, issued first (v10, as
+                        # FlashMLA orders it), then P1 to shared memory for WG0.
                         rP.store(acc_S.load().to(self.dtype))
-                        if cutlass.const_expr(not self.p1_late):
-                            cute.copy(r2s_p, r2s_p.retile(rP), tPsP)
-                            cute.arch.fence_proxy("async.shared", space="cta")
                         warpgroup.fence()
                         pv_rs.set(warpgroup.Field.ACCUMULATE, True)
                         for k in cutlass.range_constexpr(n_kv):
                             cute.gemm(pv_rs, acc_O, tOrP[None, None, k],
                                       tOrV_own[None, None, k], acc_O)
                         warpgroup.commit_group()
-                        if cutlass.const_expr(self.p1_late):
-                            rP1 = cute.make_fragment_like(acc_S, self.dtype)
-                            rP1.store(acc_S.load().to(self.dtype))
-                            cute.copy(r2s_p, r2s_p.retile(rP1), tPsP)
-                            cute.arch.fence_proxy("async.shared", space="cta")
+                        # A second conversion for the store, which the compiler merges with the
+                        # first: stmatrix then reads the A registers of the in-flight wgmma.
+                        # Reading them is harmless (only writes race) and ptxas adds no wait
+                        # (7 WARPGROUP.DEPBAR for 112 HGMMA); storing from rP directly once
+                        # made ptxas serialize every wgmma (C7514).
+                        rP1 = cute.make_fragment_like(acc_S, self.dtype)
+                        rP1.store(acc_S.load().to(self.dtype))
+                        cute.copy(r2s_p, r2s_p.retile(rP1), tPsP)
+                        cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.barrier_arrive(barrier_id=BAR_P1, number_of_threads=self.n_cons)
                     # O_1 += P0' V0[:, 256:] (P0' from shared memory).
                     cute.arch.barrier(barrier_id=BAR_P0, number_of_threads=self.n_cons)
@@ -686,9 +677,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                            sO_layout, sOg_layout, pv_rs, bt, h0, H, cg, gtid, crow, csub, q_ok)
 
 
-def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512, **flags):
-    """Compile with shape-only tensors (common.fwd_fake_args); flags: the experimental switches
-    of SparseMlaFwdWs2Sm90."""
-    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v, **flags),
+def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512):
+    """Compile with shape-only tensors (common.fwd_fake_args)."""
+    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v),
                         *fwd_fake_args(dtype, d_qk, d_v))
 
