@@ -7,7 +7,9 @@ kclk/block predicted below. ncu at H = 64: tensor pipe 44 % busy, L2 33 %, L1 49
 37 %, nothing saturated; the gather is the suspect (see docs/performance.md). v9 (2026-11-30):
 lazy O rescaling (LAZY_RESCALE_LOG2; the chain below then skips the O / row-sum multiplies and
 WG0's second P0 store while the maxima do not move), 2-4 % faster: H = 64 0.81 ms, H = 128
-1.59 ms, K = 1152 2.59 ms.
+1.59 ms, K = 1152 2.59 ms. v10: ring halves 0 L / 1 L released as soon as WG0's wgmma on them
+completes, P tiles stored by stmatrix, WG1's RS P V issued before its P1 store: H = 64 0.79 ms,
+H = 128 1.53 ms, K = 1152 2.52 ms.
 
 Measured and removed (git history, docs/performance.md): "ws2c" (the two head blocks of a token
 as a 2-CTA cluster sharing each gathered row over DSMEM: correct, 17 % slower at H = 128),
