@@ -52,8 +52,11 @@ BWD_VARIANTS = {
 # and became ws2 in v10.)
 EXPERIMENTAL_FWD = {}
 # (wgs, the backward's P / dS tiles stored with stmatrix, measured within the spread:
-# removed.)
-EXPERIMENTAL_BWD = {}
+# removed.) wgt: the dKV scatter's transpose through shared memory instead of shuffles (Dqk 512;
+# Dqk 576 has no room and builds the default scatter).
+EXPERIMENTAL_BWD = {
+    "wgt": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"smem_scatter": True}),
+}
 # (dtype name, Dqk); one export per variant and spec.
 FWD_SPECS = [("bf16", 512), ("bf16", 576), ("f16", 512), ("f16", 576)]
 

@@ -61,6 +61,25 @@ def st_global_v4_f32(ptr, a, b, c, d, *, loc=None, ip=None):
     _v4_f32("st.global.v4.f32", ptr, (a, b, c, d), loc, ip)
 
 
+def _v4_f32_if(op: str, pred, ptr, vals, loc, ip):
+    _asm("{ .reg .pred p; setp.ne.b32 p, $5, 0; @p " + op + " [$0], {$1, $2, $3, $4}; }",
+         "l,f,f,f,f,r", [_ir(ptr, loc, ip)] + _f32s(vals, loc, ip)
+         + [cutlass.Int32(pred).ir_value(loc=loc, ip=ip)], loc, ip)
+
+
+@dsl_user_op
+def red_add_v4_f32_if(pred, ptr, a, b, c, d, *, loc=None, ip=None):
+    """red_add_v4_f32 under a predicate (pred != 0) instead of a branch: ptr is not touched
+    when pred is 0, so it may be any value then."""
+    _v4_f32_if("red.relaxed.gpu.global.add.v4.f32", pred, ptr, (a, b, c, d), loc, ip)
+
+
+@dsl_user_op
+def st_global_v4_f32_if(pred, ptr, a, b, c, d, *, loc=None, ip=None):
+    """st_global_v4_f32 under a predicate (pred != 0), see red_add_v4_f32_if."""
+    _v4_f32_if("st.global.v4.f32", pred, ptr, (a, b, c, d), loc, ip)
+
+
 def _rows(dtype, n_rows, n_cols, align=16):
     return make_fake_compact_tensor(dtype, (n_rows, n_cols), stride_order=(1, 0),
                                     assumed_align=align)

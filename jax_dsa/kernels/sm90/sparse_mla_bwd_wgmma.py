@@ -114,7 +114,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 import cuda.bindings.driver as cuda
 
 from jax_dsa.kernels.sm90.common import (LOG2_E, bwd_fake_args, compile_options,
-                                         red_add_v4_f32, st_global_v4_f32)
+                                         red_add_v4_f32, red_add_v4_f32_if, st_global_v4_f32,
+                                         st_global_v4_f32_if)
 
 
 
@@ -146,6 +147,20 @@ def _lines_per_row_transpose(v: list, lane):
     return v
 
 
+def scratch_offset(row, col):
+    """Float offset of (row, col) in a warp's 16 x 32 fp32 transpose scratch (_scatter_smem):
+    row-major, the 16-byte chunk index XOR-ed with 2 (row % 4). Shared memory serves 8-byte
+    accesses per half-warp and 16-byte ones per quarter-warp: a half-warp's accumulator-order
+    write covers 4 rows x 32 bytes, which this XOR spreads over all 32 banks, and a
+    quarter-warp's read is one 128-byte row segment. Plain arithmetic: the CPU test
+    (tests/test_scatter_transpose.py) evaluates it on Python ints."""
+    return row * 32 + ((col // 4) ^ (2 * (row % 4))) * 4 + col % 4
+
+
+SCRATCH_WARP_FLOATS = 16 * 32
+SCRATCH_BYTES = 8 * SCRATCH_WARP_FLOATS * 4  # 8 warps
+
+
 # mbarrier slots
 KV_FULL = 0
 DS_FULL = 1
@@ -154,7 +169,7 @@ DS_EMPTY = 2
 
 class SparseMlaBwdWgmmaSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                 wg0_chunks: int | None = None):
+                 wg0_chunks: int | None = None, smem_scatter: bool = False):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -188,6 +203,10 @@ class SparseMlaBwdWgmmaSm90:
             wg0_chunks = 4 if d_qk == 512 else 3
         assert 0 <= wg0_chunks < self.n_ch
         self.wg0_chunks = wg0_chunks
+        # Experimental ("wgt"): _scatter transposes each chunk through a 2 KB shared-memory
+        # scratch per warp instead of three shuffle butterflies (ncu of v8: the scatter, FSEL /
+        # SHFL-bound, is ~45 % of each group's time). 16 KB more shared memory: Dqk 512 only.
+        self.smem_scatter = smem_scatter and self.rope == 0
 
 
     # ---------------------------------------------------------------- host side
@@ -262,7 +281,9 @@ class SparseMlaBwdWgmmaSm90:
         ).launch(
             grid=[n_tok, n_hb, 1],
             block=[self.threads, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
+            # (+ 1 KB: room for any alignment padding before the scratch array)
+            smem=SharedStorage.size_in_bytes() + (SCRATCH_BYTES + 1024 if self.smem_scatter
+                                                  else 0),
             min_blocks_per_mp=1,
             stream=stream,
         )
@@ -399,6 +420,10 @@ class SparseMlaBwdWgmmaSm90:
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
+        scr = None  # _scatter_smem's scratch, this warpgroup's 4 x 2 KB
+        if cutlass.const_expr(self.smem_scatter):
+            scr = smem.allocate_array(cutlass.Float32, SCRATCH_BYTES // 4, byte_alignment=16)
+            scr = scr + cute.assume((tidx // 128) * (4 * SCRATCH_WARP_FLOATS), divby=512)
         q_base = storage.sQ.data_ptr()
         q_sw = cute.recast_ptr(q_base, swizzle_=swz)
         do_sw = cute.recast_ptr(storage.sDO.data_ptr(), swizzle_=swz)
@@ -612,7 +637,7 @@ class SparseMlaBwdWgmmaSm90:
                 if cutlass.const_expr(self.wg0_chunks > 0):
                     self._dkv_block(dkv_mma, gtid, ds_sw, p_sw, q_sw, do_sw, sTt_layout, sRow,
                                     slot, blk, bt32, t_begin, K, kv_batch, hb, n_hb, kh, scale,
-                                    mDKV, 0, self.wg0_chunks)
+                                    mDKV, 0, self.wg0_chunks, scr)
 
             # dQ staging (after the final CTA barrier below)
             cute.arch.sync_threads()
@@ -677,7 +702,7 @@ class SparseMlaBwdWgmmaSm90:
                 # dKV chunks [wg0_chunks, n_ch) of this block
                 self._dkv_block(dkv_mma, gtid, ds_sw, p_sw, q_sw, do_sw, sTt_layout, sRow, slot,
                                 blk, bt32, t_begin, K, kv_batch, hb, n_hb, kh, scale, mDKV,
-                                self.wg0_chunks, self.n_ch)
+                                self.wg0_chunks, self.n_ch, scr)
                 # this block's P / dS tiles and sRow slot are free again
                 cute.arch.mbarrier_arrive(mbar + DS_EMPTY)
 
@@ -720,7 +745,7 @@ class SparseMlaBwdWgmmaSm90:
                    t_begin: cutlass.Int32, K: cutlass.Int32, kv_batch: cutlass.Int64,
                    hb: cutlass.Int32, n_hb: cutlass.Int32, kh: cutlass.Int32,
                    scale: cutlass.Float32, mDKV: cute.Tensor, ch_lo: cutlass.Constexpr,
-                   ch_hi: cutlass.Constexpr):
+                   ch_hi: cutlass.Constexpr, scr):
         """dKV columns [64 ch_lo, 64 ch_hi) of one block in 64-column chunks: wgmma with
         A = dS^T / P^T (M = KV rows, K = heads), B = Q / dO column chunks (N = 64 columns,
         K = heads), all MN-major views of the K-major smem tiles; then _scatter adds (or
@@ -736,6 +761,10 @@ class SparseMlaBwdWgmmaSm90:
         out_scale = cutlass.Float32(1.0)
         if cutlass.const_expr(not self.fold_scale):
             out_scale = scale
+        lane = gtid % 32
+        if cutlass.const_expr(self.smem_scatter):
+            # this warp's 16 x 32 floats
+            scr = scr + cute.assume((gtid // 32) * SCRATCH_WARP_FLOATS, divby=512)
         tok_row0 = cutlass.Int64(bt32 - t_begin) * cutlass.Int64(K)
         # this thread's 4 rows (r = kr_base + q0 + 8 rho, in order (rho, q0)): the gathered
         # row (-1: invalid entry, nothing is added) and its dkv offset
@@ -763,14 +792,14 @@ class SparseMlaBwdWgmmaSm90:
             acc1 = self._dkv_issue(dkv_mma, thr_kv, acc_kv_shape, tKrDS, tKrP, q_sw, do_sw,
                                    sTt_layout, kh, ch + 1)
             warpgroup.wait_group(1)
-            self._scatter(acc0, gtid % 32, rows, g_bases, ch, out_scale, mDKV)
+            self._scatter_any(acc0, lane, rows, g_bases, ch, out_scale, mDKV, scr)
             warpgroup.wait_group(0)
-            self._scatter(acc1, gtid % 32, rows, g_bases, ch + 1, out_scale, mDKV)
+            self._scatter_any(acc1, lane, rows, g_bases, ch + 1, out_scale, mDKV, scr)
         for ch in cutlass.range(ch_lo + 2 * n_pairs, ch_hi, unroll=1):
             acc = self._dkv_issue(dkv_mma, thr_kv, acc_kv_shape, tKrDS, tKrP, q_sw, do_sw,
                                   sTt_layout, kh, ch)
             warpgroup.wait_group(0)
-            self._scatter(acc, gtid % 32, rows, g_bases, ch, out_scale, mDKV)
+            self._scatter_any(acc, lane, rows, g_bases, ch, out_scale, mDKV, scr)
 
     @cute.jit
     def _dkv_issue(self, dkv_mma: cute.TiledMma, thr_kv, acc_kv_shape, tKrDS: cute.Tensor,
@@ -809,6 +838,60 @@ class SparseMlaBwdWgmmaSm90:
             for k in cutlass.range_constexpr(nk):
                 cute.gemm(dkv_mma, acc, tKrP[None, None, k], tKrDO[None, None, k], acc)
         warpgroup.commit_group()
+
+    @cute.jit
+    def _scatter_any(self, acc: cute.Tensor, lane: cutlass.Int32, rows: list, g_bases: list,
+                     ch: cutlass.Int32, out_scale: cutlass.Float32, mDKV: cute.Tensor, scr):
+        if cutlass.const_expr(self.smem_scatter):
+            self._scatter_smem(acc, lane, rows, g_bases, ch, out_scale, mDKV, scr)
+        else:
+            self._scatter(acc, lane, rows, g_bases, ch, out_scale, mDKV)
+
+    @cute.jit
+    def _scatter_smem(self, acc: cute.Tensor, lane: cutlass.Int32, rows: list, g_bases: list,
+                      ch: cutlass.Int32, out_scale: cutlass.Float32, mDKV: cute.Tensor, scr):
+        """_scatter's result (each RED of a warp covers 4 rows x 128 contiguous bytes, lane l
+        adding columns 4 (l % 8) + [0, 4) of rows 2 (l // 8) + q0 + 8 rho) by a transpose
+        through this warp's shared-memory scratch, one 32-column half of the chunk at a time:
+        8 st.shared.v2 of the accumulator pairs, then 4 ld.shared.v4 of row segments (both
+        conflict-free with the layout of scratch_offset), instead of 48 shuffles and 144
+        selects."""
+        acc_mn = self._acc_mn_view(acc)
+        q = lane // 4
+        s = lane % 4
+        st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32,
+                                      num_bits_per_copy=64)
+        ld_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32,
+                                      num_bits_per_copy=128)
+        pair = cute.make_rmem_tensor(2, cutlass.Float32)
+        quads = cute.make_rmem_tensor(cute.make_layout((4, 4), stride=(4, 1)), cutlass.Float32)
+        for g2 in cutlass.range_constexpr(2):
+            cute.arch.sync_warp()  # the previous half's reads are done
+            for rho in cutlass.range_constexpr(2):
+                for jj in cutlass.range_constexpr(4):
+                    # accumulator pair: row q + 8 rho, columns 8 jj + 2 s + {0, 1} of this half
+                    j = 4 * g2 + jj
+                    pair[0] = acc_mn[rho, 2 * j] * out_scale
+                    pair[1] = acc_mn[rho, 2 * j + 1] * out_scale
+                    off = scratch_offset(q + 8 * rho, 8 * jj + 2 * s)
+                    dst = cute.make_tensor(scr + cute.assume(off, divby=2), cute.make_layout(2))
+                    cute.copy(st_atom, pair, dst)
+            cute.arch.sync_warp()
+            # all four row segments first (their latencies overlap), then the predicated adds
+            # (a branch per row would let the compiler sink each load into it)
+            for i in cutlass.range_constexpr(4):  # i = 2 rho + q0
+                off = scratch_offset(2 * (lane // 8) + (i % 2) + 8 * (i // 2), 4 * (lane % 8))
+                src = cute.make_tensor(scr + cute.assume(off, divby=4), cute.make_layout(4))
+                cute.copy(ld_atom, src, quads[i, None])
+            for i in cutlass.range_constexpr(4):
+                goff = g_bases[i] + cutlass.Int64(ch * 64 + 4 * (lane % 8) + 32 * g2)
+                ok = cutlass.Int32(1) if rows[i] >= 0 else cutlass.Int32(0)
+                if cutlass.const_expr(self.deterministic):
+                    st_global_v4_f32_if(ok, mDKV.iterator + goff, quads[i, 0], quads[i, 1],
+                                        quads[i, 2], quads[i, 3])
+                else:
+                    red_add_v4_f32_if(ok, mDKV.iterator + goff, quads[i, 0], quads[i, 1],
+                                      quads[i, 2], quads[i, 3])
 
     @cute.jit
     def _scatter(self, acc: cute.Tensor, lane: cutlass.Int32, rows: list, g_bases: list,
@@ -851,8 +934,10 @@ class SparseMlaBwdWgmmaSm90:
 
 # -------------------------------------------------------------------- AOT compile entry
 def compile_bwd_wgmma(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                      options: str | None = None, wg0_chunks: int | None = None):
+                      options: str | None = None, wg0_chunks: int | None = None,
+                      smem_scatter: bool = False):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
-    return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks),
+    return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks,
+                                              smem_scatter),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))
