@@ -50,7 +50,11 @@ BWD_VARIANTS = {
 # (ws2r, the early release of ring halves, measured faster and became ws2 in v10.)
 # (ws2t, stmatrix P tiles and WG1's RS P V issued before its P1 store, measured 1-2 % faster
 # and became ws2 in v10.)
-EXPERIMENTAL_FWD = {}
+# ws2q: ws2 whose consumers issue their Q copies and whose producer loads its first indices
+# before topk_length is consumed.
+EXPERIMENTAL_FWD = {
+    "ws2q": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"early_start": True}),
+}
 # (wgs, the backward's P / dS tiles stored with stmatrix, measured within the spread:
 # removed.) wgt: the dKV scatter's transpose through shared memory instead of shuffles (Dqk 512;
 # Dqk 576 has no room and builds the default scatter).

@@ -118,8 +118,12 @@ EMPTY_0L, EMPTY_0R, EMPTY_1L, EMPTY_1R = 4, 5, 6, 7
 
 
 class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
-    def __init__(self, dtype, d_qk: int, d_v: int = 512):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512, early_start: bool = False):
         super().__init__(dtype, d_qk, d_v)
+        # Experimental ("ws2q"): the token's start without the topk_length wait in front: the
+        # consumers issue their Q copies and the producer its first pair's index loads before
+        # anyone consumes topk_length (one HBM latency less before the first Q K^T).
+        self.early_start = early_start
         self.bn_g = self.bn  # each owner scores all 64 keys of its block
         self.half_chunks = self.dv_g // 8  # 16-byte chunks of the L half (32)
         self.k_half = self.dv_g // 16  # k16 steps of Q K^T over the L half (16)
@@ -220,7 +224,7 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
     def _produce(self, mKV: cute.Tensor, mIdx: cute.Tensor, sValid: cute.Tensor, kv_sw,
                  sKV_layout: cute.Layout, mbar, n_blocks: cutlass.Int32, k_eff: cutlass.Int32,
                  S: cutlass.Int32, idx_base: cutlass.Int64, kv_batch: cutlass.Int64,
-                 ptid: cutlass.Int32):
+                 ptid: cutlass.Int32, pre0, pre1):
         """Per pair m: fills 0L, 1R, 0R, 1L (stage 1 only when block 2m+1 exists), each after
         the matching empty barrier of the previous pair. One code site for the four fills
         (run-time stage / half) keeps the swizzled chunk addresses in few registers."""
@@ -240,13 +244,23 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
         cur0 = cute.make_rmem_tensor(npass, cutlass.Int32)
         cur1 = cute.make_rmem_tensor(npass, cutlass.Int32)
         n_pairs = (n_blocks + 1) // 2
+        if cutlass.const_expr(self.early_start):
+            # the first pair's indices were loaded before k_eff was known: mask them now
+            for p in cutlass.range_constexpr(npass):
+                j = prow + self.p_rows * p
+                cur0[p] = pre0[p] if j < k_eff else cutlass.Int32(-1)
+                cur1[p] = pre1[p] if j + self.bn < k_eff else cutlass.Int32(-1)
         for m in range(n_pairs):
             has1 = 2 * m + 1 < n_blocks
             ph = (m + 1) % 2  # parity of the previous pair's release
             # This pair's indices (their latency hides behind the first empty wait; loading
             # them a pair ahead, candidate "ws2i", measured no faster: git history).
-            self._load_idx(mIdx, cur0, 2 * m, k_eff, idx_base, prow)
-            self._load_idx(mIdx, cur1, 2 * m + 1, k_eff, idx_base, prow)
+            if cutlass.const_expr(not self.early_start):
+                self._load_idx(mIdx, cur0, 2 * m, k_eff, idx_base, prow)
+                self._load_idx(mIdx, cur1, 2 * m + 1, k_eff, idx_base, prow)
+            elif m > 0:
+                self._load_idx(mIdx, cur0, 2 * m, k_eff, idx_base, prow)
+                self._load_idx(mIdx, cur1, 2 * m + 1, k_eff, idx_base, prow)
             for q in range(4):
                 stage, is_r = self._fill_half(q)
                 if stage == 0 or has1:
@@ -299,6 +313,30 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                         self._chunk(sKs, r, c_lo + psub + self.p_tpr * i).fill(0)
 
     # ------------------------------------------------------------------ consumer pieces
+    @cute.jit
+    def _issue_q(self, mQ: cute.Tensor, q_base, swz: cute.Swizzle, sQ_layout: cute.Layout,
+                 bt: cutlass.Int64, h0: cutlass.Int32, H: cutlass.Int32, crow: cutlass.Int32,
+                 csub: cutlass.Int32):
+        """This consumer thread's share of the Q tile: cp.async of head h0 + crow's chunks
+        csub + tpr i (zeros for heads h >= H), committed as one group. Returns h0 + crow < H."""
+        sQ = cute.make_tensor(cute.recast_ptr(q_base, swizzle_=swz), sQ_layout)
+        cp_atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+            self.dtype,
+            num_bits_per_copy=128,
+        )
+        q_ok = h0 + crow < H
+        if q_ok:
+            q_row = bt * cutlass.Int64(H) + cutlass.Int64(h0 + crow)
+            for i in cutlass.range_constexpr(self.chunks // self.tpr):
+                c = csub + self.tpr * i
+                cute.copy(cp_atom, self._chunk(mQ, q_row, c), self._chunk(sQ, crow, c))
+        else:
+            for i in cutlass.range_constexpr(self.chunks // self.tpr):
+                self._chunk(sQ, crow, csub + self.tpr * i).fill(0)
+        cute.arch.cp_async_commit_group()
+        return q_ok
+
     @cute.jit
     def _mask_scale_max(self, S_mn: cute.Tensor, tScS: cute.Tensor, sValid: cute.Tensor,
                         stage: cutlass.Constexpr, scale_log2: cutlass.Float32,
@@ -382,9 +420,11 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
         wg = tidx // 128
         h0 = hb * bm
         bt = cutlass.Int64(b) * cutlass.Int64(T) + cutlass.Int64(t)
-        k_eff = cutlass.min(K, cutlass.max(mLen[bt], 0))
-        n_blocks = (k_eff + bn - 1) // bn
-        n_pairs = (n_blocks + 1) // 2
+        topk_len = mLen[bt]
+        if cutlass.const_expr(not self.early_start):
+            k_eff = cutlass.min(K, cutlass.max(topk_len, 0))
+            n_blocks = (k_eff + bn - 1) // bn
+            n_pairs = (n_blocks + 1) // 2
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -397,6 +437,19 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
         stage_elems = cute.cosize(sKV_layout)
         idx_base = bt * cutlass.Int64(K)
         kv_batch = cutlass.Int64(b) * cutlass.Int64(S)
+        pre0 = pre1 = None  # early_start: the producer's first indices
+        if cutlass.const_expr(self.early_start):
+            pre0 = cute.make_rmem_tensor(self.p_passes, cutlass.Int32)
+            pre1 = cute.make_rmem_tensor(self.p_passes, cutlass.Int32)
+            # before topk_length is consumed: the producer's first indices (j < K is inside
+            # idx; masked by k_eff in _produce) and the consumers' Q copies
+            if wg == 0:
+                prow = tidx // self.p_tpr
+                self._load_idx(mIdx, pre0, 0, K, idx_base, prow)
+                self._load_idx(mIdx, pre1, 1, K, idx_base, prow)
+            else:
+                self._issue_q(mQ, q_base, swz, sQ_layout, bt, h0, H, (tidx - 128) // self.tpr,
+                              (tidx - 128) % self.tpr)
 
         if tidx == 0:
             for i in cutlass.range_constexpr(4):
@@ -405,12 +458,16 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                 cute.arch.mbarrier_init(mbar + 4 + i, 128)  # empty: one consumer group
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.early_start):
+            k_eff = cutlass.min(K, cutlass.max(topk_len, 0))
+            n_blocks = (k_eff + bn - 1) // bn
+            n_pairs = (n_blocks + 1) // 2
 
         if wg == 0:
             # ================================ producer =================================
             cute.arch.setmaxregister_decrease(self.prod_regs)
             self._produce(mKV, mIdx, sValid, kv_sw, sKV_layout, mbar, n_blocks, k_eff, S,
-                          idx_base, kv_batch, tidx)
+                          idx_base, kv_batch, tidx, pre0, pre1)
         else:
             # ================================ consumers ================================
             cute.arch.setmaxregister_increase(self.cons_regs)
@@ -422,21 +479,10 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
             sQ = cute.make_tensor(cute.recast_ptr(q_base, swizzle_=swz), sQ_layout)
 
             # Q (heads h >= H zero-filled).
-            cp_atom = cute.make_copy_atom(
-                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                self.dtype,
-                num_bits_per_copy=128,
-            )
-            q_ok = h0 + crow < H
-            if q_ok:
-                q_row = bt * cutlass.Int64(H) + cutlass.Int64(h0 + crow)
-                for i in cutlass.range_constexpr(self.chunks // self.tpr):
-                    c = csub + self.tpr * i
-                    cute.copy(cp_atom, self._chunk(mQ, q_row, c), self._chunk(sQ, crow, c))
+            if cutlass.const_expr(self.early_start):
+                q_ok = h0 + crow < H
             else:
-                for i in cutlass.range_constexpr(self.chunks // self.tpr):
-                    self._chunk(sQ, crow, csub + self.tpr * i).fill(0)
-            cute.arch.cp_async_commit_group()
+                q_ok = self._issue_q(mQ, q_base, swz, sQ_layout, bt, h0, H, crow, csub)
             cute.arch.cp_async_wait_group(0)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=self.n_cons)
@@ -679,8 +725,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                            sO_layout, sOg_layout, pv_rs, bt, h0, H, cg, gtid, crow, csub, q_ok)
 
 
-def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512):
+def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512, early_start: bool = False):
     """Compile with shape-only tensors (common.fwd_fake_args)."""
-    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v),
+    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v, early_start),
                         *fwd_fake_args(dtype, d_qk, d_v))
 
