@@ -314,30 +314,6 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
 
     # ------------------------------------------------------------------ consumer pieces
     @cute.jit
-    def _issue_q(self, mQ: cute.Tensor, q_base, swz: cute.Swizzle, sQ_layout: cute.Layout,
-                 bt: cutlass.Int64, h0: cutlass.Int32, H: cutlass.Int32, crow: cutlass.Int32,
-                 csub: cutlass.Int32):
-        """This consumer thread's share of the Q tile: cp.async of head h0 + crow's chunks
-        csub + tpr i (zeros for heads h >= H), committed as one group. Returns h0 + crow < H."""
-        sQ = cute.make_tensor(cute.recast_ptr(q_base, swizzle_=swz), sQ_layout)
-        cp_atom = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-            self.dtype,
-            num_bits_per_copy=128,
-        )
-        q_ok = h0 + crow < H
-        if q_ok:
-            q_row = bt * cutlass.Int64(H) + cutlass.Int64(h0 + crow)
-            for i in cutlass.range_constexpr(self.chunks // self.tpr):
-                c = csub + self.tpr * i
-                cute.copy(cp_atom, self._chunk(mQ, q_row, c), self._chunk(sQ, crow, c))
-        else:
-            for i in cutlass.range_constexpr(self.chunks // self.tpr):
-                self._chunk(sQ, crow, csub + self.tpr * i).fill(0)
-        cute.arch.cp_async_commit_group()
-        return q_ok
-
-    @cute.jit
     def _mask_scale_max(self, S_mn: cute.Tensor, tScS: cute.Tensor, sValid: cute.Tensor,
                         stage: cutlass.Constexpr, scale_log2: cutlass.Float32,
                         mx: cute.Tensor):
