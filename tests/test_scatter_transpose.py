@@ -5,7 +5,7 @@ this pins the index arithmetic, which a wrong XOR would break silently (only spe
 rows)."""
 import pytest
 
-bwd = pytest.importorskip("jax_dsa.kernels.sm90.sparse_mla_bwd_wgmma")
+from jax_dsa.kernels.sm90 import scatter_layout as bwd
 
 
 def _accumulator_value(row, col):

@@ -116,6 +116,7 @@ import cuda.bindings.driver as cuda
 from jax_dsa.kernels.sm90.common import (LOG2_E, bwd_fake_args, compile_options,
                                          red_add_v4_f32, red_add_v4_f32_if, st_global_v4_f32,
                                          st_global_v4_f32_if)
+from jax_dsa.kernels.sm90.scatter_layout import SCRATCH_BYTES, SCRATCH_WARP_FLOATS, scratch_offset
 
 
 
@@ -145,20 +146,6 @@ def _lines_per_row_transpose(v: list, lane):
                         v[i0] = cutlass.Float32(cutlass.select_(upper, recv, x0))
                         v[i1] = cutlass.Float32(cutlass.select_(upper, x1, recv))
     return v
-
-
-def scratch_offset(row, col):
-    """Float offset of (row, col) in a warp's 16 x 32 fp32 transpose scratch (_scatter_smem):
-    row-major, the 16-byte chunk index XOR-ed with 2 (row % 4). Shared memory serves 8-byte
-    accesses per half-warp and 16-byte ones per quarter-warp: a half-warp's accumulator-order
-    write covers 4 rows x 32 bytes, which this XOR spreads over all 32 banks, and a
-    quarter-warp's read is one 128-byte row segment. Plain arithmetic: the CPU test
-    (tests/test_scatter_transpose.py) evaluates it on Python ints."""
-    return row * 32 + ((col // 4) ^ (2 * (row % 4))) * 4 + col % 4
-
-
-SCRATCH_WARP_FLOATS = 16 * 32
-SCRATCH_BYTES = 8 * SCRATCH_WARP_FLOATS * 4  # 8 warps
 
 
 # mbarrier slots
