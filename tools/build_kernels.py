@@ -57,9 +57,12 @@ EXPERIMENTAL_FWD = {
 }
 # (wgs, the backward's P / dS tiles stored with stmatrix, measured within the spread:
 # removed.) wgt: the dKV scatter's transpose through shared memory instead of shuffles (Dqk 512;
-# Dqk 576 has no room and builds the default scatter).
+# at Dqk 576 there is no room for the scratch and wgt = wga). wga: the scatter's dkv row
+# addresses computed once per chunk, both halves under one branch (wgt does that too).
 EXPERIMENTAL_BWD = {
-    "wgt": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"smem_scatter": True}),
+    "wgt": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma",
+            {"smem_scatter": True, "hoist_addr": True}),
+    "wga": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"hoist_addr": True}),
 }
 # (dtype name, Dqk); one export per variant and spec.
 FWD_SPECS = [("bf16", 512), ("bf16", 576), ("f16", 512), ("f16", 576)]

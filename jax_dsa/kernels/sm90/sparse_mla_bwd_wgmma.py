@@ -156,7 +156,8 @@ DS_EMPTY = 2
 
 class SparseMlaBwdWgmmaSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                 wg0_chunks: int | None = None, smem_scatter: bool = False):
+                 wg0_chunks: int | None = None, smem_scatter: bool = False,
+                 hoist_addr: bool = False):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -194,6 +195,11 @@ class SparseMlaBwdWgmmaSm90:
         # scratch per warp instead of three shuffle butterflies (ncu of v8: the scatter, FSEL /
         # SHFL-bound, is ~45 % of each group's time). 16 KB more shared memory: Dqk 512 only.
         self.smem_scatter = smem_scatter and self.rope == 0
+        # Experimental ("wga"): the scatter computes each row's dkv address once per chunk and
+        # adds both 32-column halves under one branch (the SASS of v8 spends ~11 instructions
+        # of 64-bit address arithmetic and a branch on every RED: ~35 % of the scatter's
+        # instructions besides the transposes).
+        self.hoist_addr = hoist_addr
 
 
     # ---------------------------------------------------------------- host side
@@ -852,6 +858,9 @@ class SparseMlaBwdWgmmaSm90:
                                       num_bits_per_copy=128)
         pair = cute.make_rmem_tensor(2, cutlass.Float32)
         quads = cute.make_rmem_tensor(cute.make_layout((4, 4), stride=(4, 1)), cutlass.Float32)
+        # each row's dkv address once per chunk (as wga does in _scatter)
+        col0 = ch * 64 + 4 * (lane % 8)
+        row_ptrs = [mDKV.iterator + (g_bases[i] + cutlass.Int64(col0)) for i in range(4)]
         for g2 in cutlass.range_constexpr(2):
             cute.arch.sync_warp()  # the previous half's reads are done
             for rho in cutlass.range_constexpr(2):
@@ -871,13 +880,12 @@ class SparseMlaBwdWgmmaSm90:
                 src = cute.make_tensor(scr + cute.assume(off, divby=4), cute.make_layout(4))
                 cute.copy(ld_atom, src, quads[i, None])
             for i in cutlass.range_constexpr(4):
-                goff = g_bases[i] + cutlass.Int64(ch * 64 + 4 * (lane % 8) + 32 * g2)
                 ok = cutlass.Int32(1) if rows[i] >= 0 else cutlass.Int32(0)
                 if cutlass.const_expr(self.deterministic):
-                    st_global_v4_f32_if(ok, mDKV.iterator + goff, quads[i, 0], quads[i, 1],
+                    st_global_v4_f32_if(ok, row_ptrs[i] + 32 * g2, quads[i, 0], quads[i, 1],
                                         quads[i, 2], quads[i, 3])
                 else:
-                    red_add_v4_f32_if(ok, mDKV.iterator + goff, quads[i, 0], quads[i, 1],
+                    red_add_v4_f32_if(ok, row_ptrs[i] + 32 * g2, quads[i, 0], quads[i, 1],
                                       quads[i, 2], quads[i, 3])
 
     @cute.jit
@@ -903,6 +911,18 @@ class SparseMlaBwdWgmmaSm90:
         v = _lines_per_row_transpose(
             [acc_mn[(i >> 4) & 1, i & 15] * out_scale for i in range(32)], lane)
         col0 = ch * 64 + 4 * (lane % 8)
+        if cutlass.const_expr(self.hoist_addr):
+            for i in cutlass.range_constexpr(4):  # i = 2 rho + q0
+                rho, q0 = i // 2, i % 2
+                if rows[i] >= 0:
+                    ptr = mDKV.iterator + (g_bases[i] + cutlass.Int64(col0))
+                    for g2 in cutlass.range_constexpr(2):
+                        vals = [v[_flat(rho, g2, q0, g1, c)] for g1 in (0, 1) for c in (0, 1)]
+                        if cutlass.const_expr(self.deterministic):
+                            st_global_v4_f32(ptr + 32 * g2, *vals)
+                        else:
+                            red_add_v4_f32(ptr + 32 * g2, *vals)
+            return
         for rho in cutlass.range_constexpr(2):
             for q0 in cutlass.range_constexpr(2):
                 for g2 in cutlass.range_constexpr(2):
@@ -922,9 +942,9 @@ class SparseMlaBwdWgmmaSm90:
 # -------------------------------------------------------------------- AOT compile entry
 def compile_bwd_wgmma(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
                       options: str | None = None, wg0_chunks: int | None = None,
-                      smem_scatter: bool = False):
+                      smem_scatter: bool = False, hoist_addr: bool = False):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
     return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks,
-                                              smem_scatter),
+                                              smem_scatter, hoist_addr),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))
