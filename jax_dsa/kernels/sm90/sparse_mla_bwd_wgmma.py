@@ -917,7 +917,8 @@ class SparseMlaBwdWgmmaSm90:
                 if rows[i] >= 0:
                     ptr = mDKV.iterator + (g_bases[i] + cutlass.Int64(col0))
                     for g2 in cutlass.range_constexpr(2):
-                        vals = [v[_flat(rho, g2, q0, g1, c)] for g1 in (0, 1) for c in (0, 1)]
+                        # slots after the transpose: g1 -> q0, g0 -> s0 (as below)
+                        vals = [v[_flat(rho, g2, q0, s0, c)] for s0 in (0, 1) for c in (0, 1)]
                         if cutlass.const_expr(self.deterministic):
                             st_global_v4_f32(ptr + 32 * g2, *vals)
                         else:
