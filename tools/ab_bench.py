@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """A / B speed comparison of kernel variants on the GPU, with the run-to-run drift cancelled:
 
-    python tools/ab_bench.py --pass fwd --impls default,ws2r [--rounds 3] [--heads 64,128]
+    python tools/ab_bench.py --pass fwd --impls default,<tag> [--rounds 3] [--heads 64,128]
                              [--out DIR]
     python tools/ab_bench.py --pass bwd --impls default,<tag>
 

@@ -46,19 +46,14 @@ BWD_VARIANTS = {
 # Experimental variants (not defaults): built only with --experimental, selected with
 # JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>; their GPU status goes in docs/performance.md (the
 # ones measured slower, e.g. ws2c and wgc, were removed: git history).
-# (The L2 cache-hint candidates ws2h / ws2hl / wgh were measured and removed: docs.)
-# (ws2r, the early release of ring halves, measured faster and became ws2 in v10.)
-# (ws2t, stmatrix P tiles and WG1's RS P V issued before its P1 store, measured 1-2 % faster
-# and became ws2 in v10.)
 # ws2q: ws2 whose consumers issue their Q copies and whose producer loads its first indices
 # before topk_length is consumed.
 EXPERIMENTAL_FWD = {
     "ws2q": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"early_start": True}),
 }
-# (wgs, the backward's P / dS tiles stored with stmatrix, measured within the spread:
-# removed.) wgt: the dKV scatter's transpose through shared memory instead of shuffles (Dqk 512;
-# at Dqk 576 there is no room for the scratch and wgt = wga). wga: the scatter's dkv row
-# addresses computed once per chunk, both halves under one branch (wgt does that too).
+# wgt: the dKV scatter's transpose through shared memory instead of shuffles (Dqk 512; at Dqk
+# 576 there is no room for the scratch and wgt = wga). wga: the scatter's dkv row addresses
+# computed once per chunk, both halves under one branch (wgt does that too).
 EXPERIMENTAL_BWD = {
     "wgt": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma",
             {"smem_scatter": True, "hoist_addr": True}),
