@@ -1,5 +1,5 @@
-"""CPU check of the backward's shared-memory dKV transpose (_scatter_smem of the experimental
-"wgt" backward): every lane reads back exactly the row segment its RED adds, and neither the
+"""CPU check of the backward's shared-memory dKV transpose (_scatter_smem, the default at
+Dqk 512): every lane reads back exactly the row segment its RED adds, and neither the
 writes nor the reads have shared-memory bank conflicts. The GPU tests check the kernel itself;
 this pins the index arithmetic, which a wrong XOR would break silently (only speed or some
 rows)."""

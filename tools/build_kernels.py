@@ -46,19 +46,9 @@ BWD_VARIANTS = {
 # Experimental variants (not defaults): built only with --experimental, selected with
 # JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>; their GPU status goes in docs/performance.md (the
 # ones measured slower, e.g. ws2c and wgc, were removed: git history).
-# ws2q: ws2 whose consumers issue their Q copies and whose producer loads its first indices
-# before topk_length is consumed.
-EXPERIMENTAL_FWD = {
-    "ws2q": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"early_start": True}),
-}
-# wgt: the dKV scatter's transpose through shared memory instead of shuffles (Dqk 512; at Dqk
-# 576 there is no room for the scratch and wgt = wga). wga: the scatter's dkv row addresses
-# computed once per chunk, both halves under one branch (wgt does that too).
-EXPERIMENTAL_BWD = {
-    "wgt": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma",
-            {"smem_scatter": True, "hoist_addr": True}),
-    "wga": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"hoist_addr": True}),
-}
+# (ws2q and wgt became the v11 defaults, wga was measured slower: docs/performance.md.)
+EXPERIMENTAL_FWD = {}
+EXPERIMENTAL_BWD = {}
 # (dtype name, Dqk); one export per variant and spec.
 FWD_SPECS = [("bf16", 512), ("bf16", 576), ("f16", 512), ("f16", 576)]
 

@@ -83,9 +83,9 @@ Per-block cost estimate (64 live heads, Dqk 512 as benchmarked; tensor core peak
   64x256x16 10 KB per 128 clk; no ldmatrix traffic (v2: ~1.8 MB per block).
 
 Build facts (tools/check_kernel_build.py bwd:wg, CuTe DSL 4.8.1, sm_90a): 245-251 registers, no
-stack / local memory, 208.5 KB (Dqk 512) / 224.5 KB (576) dynamic smem + 1 KB static; SASS
-HGMMA 64x64x16 (S, dP, dKV, rope dQ) and 64x256x16 (dQ, one RS + one SS), REDG.E.ADD.F32x4
-only (deterministic: STG.128 only). Two choices keep it spill-free: the dKV column-chunk loop is
+stack / local memory, 208.5 KB + 17 KB scatter scratch (Dqk 512) / 224.5 KB (576) dynamic
+smem + 1 KB static; SASS HGMMA 64x64x16 (S, dP, dKV, rope dQ) and 64x256x16 (dQ, one RS + one
+SS), REDG.E.ADD.F32x4 only (deterministic: STG.128 only). Two choices keep it spill-free: the dKV column-chunk loop is
 a runtime loop (unrolled, the invariant per-chunk state was hoisted out of the block loop and
 spilled ~1 KB), and the live-head count selects one of four straight-line wgmma groups (kh = 1..4
 k-steps; a wgmma under a per-k runtime condition is serialized by ptxas). Every MMA accumulates
@@ -156,8 +156,7 @@ DS_EMPTY = 2
 
 class SparseMlaBwdWgmmaSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                 wg0_chunks: int | None = None, smem_scatter: bool = False,
-                 hoist_addr: bool = False):
+                 wg0_chunks: int | None = None):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -191,15 +190,11 @@ class SparseMlaBwdWgmmaSm90:
             wg0_chunks = 4 if d_qk == 512 else 3
         assert 0 <= wg0_chunks < self.n_ch
         self.wg0_chunks = wg0_chunks
-        # Experimental ("wgt"): _scatter transposes each chunk through a 2 KB shared-memory
-        # scratch per warp instead of three shuffle butterflies (ncu of v8: the scatter, FSEL /
-        # SHFL-bound, is ~45 % of each group's time). 16 KB more shared memory: Dqk 512 only.
-        self.smem_scatter = smem_scatter and self.rope == 0
-        # Experimental ("wga"): the scatter computes each row's dkv address once per chunk and
-        # adds both 32-column halves under one branch (the SASS of v8 spends ~11 instructions
-        # of 64-bit address arithmetic and a branch on every RED: ~35 % of the scatter's
-        # instructions besides the transposes).
-        self.hoist_addr = hoist_addr
+        # At Dqk 512 the scatter transposes each chunk through a 2 KB shared-memory scratch per
+        # warp (_scatter_smem) instead of three shuffle butterflies (_scatter): 4-6 % faster
+        # (v11, was candidate "wgt"; ncu of v8 had the FSEL / SHFL-bound scatter at ~45 % of
+        # each group's time). Dqk 576 has no room for the 16 KB and keeps the shuffles.
+        self.smem_scatter = self.rope == 0
 
 
     # ---------------------------------------------------------------- host side
@@ -858,7 +853,7 @@ class SparseMlaBwdWgmmaSm90:
                                       num_bits_per_copy=128)
         pair = cute.make_rmem_tensor(2, cutlass.Float32)
         quads = cute.make_rmem_tensor(cute.make_layout((4, 4), stride=(4, 1)), cutlass.Float32)
-        # each row's dkv address once per chunk (as wga does in _scatter)
+        # each row's dkv address once per chunk
         col0 = ch * 64 + 4 * (lane % 8)
         row_ptrs = [mDKV.iterator + (g_bases[i] + cutlass.Int64(col0)) for i in range(4)]
         for g2 in cutlass.range_constexpr(2):
@@ -913,19 +908,6 @@ class SparseMlaBwdWgmmaSm90:
         v = _lines_per_row_transpose(
             [acc_mn[(i >> 4) & 1, i & 15] * out_scale for i in range(32)], lane)
         col0 = ch * 64 + 4 * (lane % 8)
-        if cutlass.const_expr(self.hoist_addr):
-            for i in cutlass.range_constexpr(4):  # i = 2 rho + q0
-                rho, q0 = i // 2, i % 2
-                if rows[i] >= 0:
-                    ptr = mDKV.iterator + (g_bases[i] + cutlass.Int64(col0))
-                    for g2 in cutlass.range_constexpr(2):
-                        # slots after the transpose: g1 -> q0, g0 -> s0 (as below)
-                        vals = [v[_flat(rho, g2, q0, s0, c)] for s0 in (0, 1) for c in (0, 1)]
-                        if cutlass.const_expr(self.deterministic):
-                            st_global_v4_f32(ptr + 32 * g2, *vals)
-                        else:
-                            red_add_v4_f32(ptr + 32 * g2, *vals)
-            return
         for rho in cutlass.range_constexpr(2):
             for q0 in cutlass.range_constexpr(2):
                 for g2 in cutlass.range_constexpr(2):
@@ -944,10 +926,8 @@ class SparseMlaBwdWgmmaSm90:
 
 # -------------------------------------------------------------------- AOT compile entry
 def compile_bwd_wgmma(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                      options: str | None = None, wg0_chunks: int | None = None,
-                      smem_scatter: bool = False, hoist_addr: bool = False):
+                      options: str | None = None, wg0_chunks: int | None = None):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
-    return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks,
-                                              smem_scatter, hoist_addr),
+    return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))

@@ -118,12 +118,8 @@ EMPTY_0L, EMPTY_0R, EMPTY_1L, EMPTY_1R = 4, 5, 6, 7
 
 
 class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
-    def __init__(self, dtype, d_qk: int, d_v: int = 512, early_start: bool = False):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512):
         super().__init__(dtype, d_qk, d_v)
-        # Experimental ("ws2q"): the token's start without the topk_length wait in front: the
-        # consumers issue their Q copies and the producer its first pair's index loads before
-        # anyone consumes topk_length (one HBM latency less before the first Q K^T).
-        self.early_start = early_start
         self.bn_g = self.bn  # each owner scores all 64 keys of its block
         self.half_chunks = self.dv_g // 8  # 16-byte chunks of the L half (32)
         self.k_half = self.dv_g // 16  # k16 steps of Q K^T over the L half (16)
@@ -227,7 +223,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                  ptid: cutlass.Int32, pre0, pre1):
         """Per pair m: fills 0L, 1R, 0R, 1L (stage 1 only when block 2m+1 exists), each after
         the matching empty barrier of the previous pair. One code site for the four fills
-        (run-time stage / half) keeps the swizzled chunk addresses in few registers."""
+        (run-time stage / half) keeps the swizzled chunk addresses in few registers. pre0 /
+        pre1: the first pair's indices, loaded at the CTA start before k_eff was known."""
         psub = ptid % self.p_tpr
         prow = ptid // self.p_tpr
         npass = self.p_passes
@@ -244,21 +241,17 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
         cur0 = cute.make_rmem_tensor(npass, cutlass.Int32)
         cur1 = cute.make_rmem_tensor(npass, cutlass.Int32)
         n_pairs = (n_blocks + 1) // 2
-        if cutlass.const_expr(self.early_start):
-            # the first pair's indices were loaded before k_eff was known: mask them now
-            for p in cutlass.range_constexpr(npass):
-                j = prow + self.p_rows * p
-                cur0[p] = pre0[p] if j < k_eff else cutlass.Int32(-1)
-                cur1[p] = pre1[p] if j + self.bn < k_eff else cutlass.Int32(-1)
+        # the first pair's indices were loaded before k_eff was known: mask them now
+        for p in cutlass.range_constexpr(npass):
+            j = prow + self.p_rows * p
+            cur0[p] = pre0[p] if j < k_eff else cutlass.Int32(-1)
+            cur1[p] = pre1[p] if j + self.bn < k_eff else cutlass.Int32(-1)
         for m in range(n_pairs):
             has1 = 2 * m + 1 < n_blocks
             ph = (m + 1) % 2  # parity of the previous pair's release
             # This pair's indices (their latency hides behind the first empty wait; loading
             # them a pair ahead, candidate "ws2i", measured no faster: git history).
-            if cutlass.const_expr(not self.early_start):
-                self._load_idx(mIdx, cur0, 2 * m, k_eff, idx_base, prow)
-                self._load_idx(mIdx, cur1, 2 * m + 1, k_eff, idx_base, prow)
-            elif m > 0:
+            if m > 0:
                 self._load_idx(mIdx, cur0, 2 * m, k_eff, idx_base, prow)
                 self._load_idx(mIdx, cur1, 2 * m + 1, k_eff, idx_base, prow)
             for q in range(4):
@@ -397,10 +390,6 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
         h0 = hb * bm
         bt = cutlass.Int64(b) * cutlass.Int64(T) + cutlass.Int64(t)
         topk_len = mLen[bt]
-        if cutlass.const_expr(not self.early_start):
-            k_eff = cutlass.min(K, cutlass.max(topk_len, 0))
-            n_blocks = (k_eff + bn - 1) // bn
-            n_pairs = (n_blocks + 1) // 2
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -413,19 +402,18 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
         stage_elems = cute.cosize(sKV_layout)
         idx_base = bt * cutlass.Int64(K)
         kv_batch = cutlass.Int64(b) * cutlass.Int64(S)
-        pre0 = pre1 = None  # early_start: the producer's first indices
-        if cutlass.const_expr(self.early_start):
-            pre0 = cute.make_rmem_tensor(self.p_passes, cutlass.Int32)
-            pre1 = cute.make_rmem_tensor(self.p_passes, cutlass.Int32)
-            # before topk_length is consumed: the producer's first indices (j < K is inside
-            # idx; masked by k_eff in _produce) and the consumers' Q copies
-            if wg == 0:
-                prow = tidx // self.p_tpr
-                self._load_idx(mIdx, pre0, 0, K, idx_base, prow)
-                self._load_idx(mIdx, pre1, 1, K, idx_base, prow)
-            else:
-                self._issue_q(mQ, q_base, swz, sQ_layout, bt, h0, H, (tidx - 128) // self.tpr,
-                              (tidx - 128) % self.tpr)
+        # Before topk_length is consumed (one HBM latency less before the first Q K^T; was
+        # candidate ws2q): the producer loads its first pair's indices (j < K stays inside idx;
+        # _produce masks them by k_eff) and the consumers issue their Q copies.
+        pre0 = cute.make_rmem_tensor(self.p_passes, cutlass.Int32)
+        pre1 = cute.make_rmem_tensor(self.p_passes, cutlass.Int32)
+        if wg == 0:
+            prow = tidx // self.p_tpr
+            self._load_idx(mIdx, pre0, 0, K, idx_base, prow)
+            self._load_idx(mIdx, pre1, 1, K, idx_base, prow)
+        else:
+            self._issue_q(mQ, q_base, swz, sQ_layout, bt, h0, H, (tidx - 128) // self.tpr,
+                          (tidx - 128) % self.tpr)
 
         if tidx == 0:
             for i in cutlass.range_constexpr(4):
@@ -434,10 +422,9 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                 cute.arch.mbarrier_init(mbar + 4 + i, 128)  # empty: one consumer group
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-        if cutlass.const_expr(self.early_start):
-            k_eff = cutlass.min(K, cutlass.max(topk_len, 0))
-            n_blocks = (k_eff + bn - 1) // bn
-            n_pairs = (n_blocks + 1) // 2
+        k_eff = cutlass.min(K, cutlass.max(topk_len, 0))
+        n_blocks = (k_eff + bn - 1) // bn
+        n_pairs = (n_blocks + 1) // 2
 
         if wg == 0:
             # ================================ producer =================================
@@ -455,10 +442,7 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
             sQ = cute.make_tensor(cute.recast_ptr(q_base, swizzle_=swz), sQ_layout)
 
             # Q (heads h >= H zero-filled).
-            if cutlass.const_expr(self.early_start):
-                q_ok = h0 + crow < H
-            else:
-                q_ok = self._issue_q(mQ, q_base, swz, sQ_layout, bt, h0, H, crow, csub)
+            q_ok = h0 + crow < H  # (Q was issued above)
             cute.arch.cp_async_wait_group(0)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=self.n_cons)
@@ -701,8 +685,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                            sO_layout, sOg_layout, pv_rs, bt, h0, H, cg, gtid, crow, csub, q_ok)
 
 
-def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512, early_start: bool = False):
+def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512):
     """Compile with shape-only tensors (common.fwd_fake_args)."""
-    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v, early_start),
+    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v),
                         *fwd_fake_args(dtype, d_qk, d_v))
 
