@@ -46,9 +46,13 @@ BWD_VARIANTS = {
 # Experimental variants (not defaults): built only with --experimental, selected with
 # JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>; their GPU status goes in docs/performance.md (the
 # ones measured slower, e.g. ws2c and wgc, were removed: git history).
-# (ws2q and wgt became the v11 defaults, wga was measured slower: docs/performance.md.)
+# (ws2q and wgt became the v11 defaults; wga and wgk2 measured no faster: docs/performance.md.)
 EXPERIMENTAL_FWD = {}
-EXPERIMENTAL_BWD = {}
+# wgk3: 3 instead of 4 dKV chunks in WG0 at Dqk 512 (the v11 ncu has WG1 waiting on WG0's
+# P / dS tiles; A/B 2026-11-30: 0.992 / 0.986 / 0.980 of the default; not GPU-tested yet).
+EXPERIMENTAL_BWD = {
+    "wgk3": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"wg0_chunks": 3}),
+}
 # (dtype name, Dqk); one export per variant and spec.
 FWD_SPECS = [("bf16", 512), ("bf16", 576), ("f16", 512), ("f16", 576)]
 

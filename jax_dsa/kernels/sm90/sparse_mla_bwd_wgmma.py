@@ -46,8 +46,9 @@ min_blocks_per_mp=1, so each thread may use up to 255 registers):
           ch >= wg0_chunks, wgmma 64x64x16 with both
           operands MN-major views of the same smem tiles (M = KV rows, K = heads), only
           ceil(live_heads / 16) k-steps issued: padded heads cost no MMA here;
-          then the values are transposed inside the warp (three butterfly exchanges, _scatter)
-          so that each red.global.add.v4.f32 (deterministic: st.global.v4.f32) of a warp covers
+          then the values are transposed inside the warp (Dqk 512: through a 2 KB
+          shared-memory scratch per warp, _scatter_smem; 576: three butterfly exchanges,
+          _scatter) so that each red.global.add.v4.f32 (deterministic: st.global.v4.f32) of a warp covers
           4 rows x 128 contiguous bytes
       arrives ds_empty(n) (P/dS tiles and the row-index slot may be reused)
 
