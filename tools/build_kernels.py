@@ -49,7 +49,8 @@ BWD_VARIANTS = {
 # (ws2q and wgt became the v11 defaults; wga and wgk2 measured no faster: docs/performance.md.)
 EXPERIMENTAL_FWD = {}
 # wgk3: 3 instead of 4 dKV chunks in WG0 at Dqk 512 (the v11 ncu has WG1 waiting on WG0's
-# P / dS tiles; A/B 2026-11-30: 0.992 / 0.986 / 0.980 of the default; not GPU-tested yet).
+# P / dS tiles; 3-round A/B 2026-11-30: 0.991 / 0.987 / 0.983 of the default, every round
+# below 1; not GPU-tested yet).
 EXPERIMENTAL_BWD = {
     "wgk3": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"wg0_chunks": 3}),
 }
