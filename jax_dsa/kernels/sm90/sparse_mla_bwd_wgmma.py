@@ -48,8 +48,8 @@ min_blocks_per_mp=1, so each thread may use up to 255 registers):
           ceil(live_heads / 16) k-steps issued: padded heads cost no MMA here;
           then the values are transposed inside the warp (Dqk 512: through a 2 KB
           shared-memory scratch per warp, _scatter_smem; 576: three butterfly exchanges,
-          _scatter) so that each red.global.add.v4.f32 (deterministic: st.global.v4.f32) of a warp covers
-          4 rows x 128 contiguous bytes
+          _scatter) so that each red.global.add.v4.f32 (deterministic: st.global.v4.f32) of
+          a warp covers 4 rows x 128 contiguous bytes
       arrives ds_empty(n) (P/dS tiles and the row-index slot may be reused)
 
   Each KV column range is refilled by the only group that still reads it: columns [0, 256) are
@@ -86,12 +86,12 @@ Per-block cost estimate (64 live heads, Dqk 512 as benchmarked; tensor core peak
 Build facts (tools/check_kernel_build.py bwd:wg, CuTe DSL 4.8.1, sm_90a): 245-251 registers, no
 stack / local memory, 208.5 KB + 17 KB scatter scratch (Dqk 512) / 224.5 KB (576) dynamic
 smem + 1 KB static; SASS HGMMA 64x64x16 (S, dP, dKV, rope dQ) and 64x256x16 (dQ, one RS + one
-SS), REDG.E.ADD.F32x4 only (deterministic: STG.128 only). Two choices keep it spill-free: the dKV column-chunk loop is
-a runtime loop (unrolled, the invariant per-chunk state was hoisted out of the block loop and
-spilled ~1 KB), and the live-head count selects one of four straight-line wgmma groups (kh = 1..4
-k-steps; a wgmma under a per-k runtime condition is serialized by ptxas). Every MMA accumulates
-into zero-filled fragments (ptxas turns the first one into a non-accumulating HGMMA), so no
-ACCUMULATE flag is changed inside runtime control flow.
+SS), REDG.E.ADD.F32x4 only (deterministic: STG.128 only). Two choices keep it spill-free: the
+dKV column-chunk loop is a runtime loop (unrolled, the invariant per-chunk state was hoisted out
+of the block loop and spilled ~1 KB), and the live-head count selects one of four straight-line
+wgmma groups (kh = 1..4 k-steps; a wgmma under a per-k runtime condition is serialized by
+ptxas). Every MMA accumulates into zero-filled fragments (ptxas turns the first one into a
+non-accumulating HGMMA), so no ACCUMULATE flag is changed inside runtime control flow.
 
 Scaling: bf16 folds scale into dS before rounding (dq and the dS^T Q term carry it); fp16 keeps
 dS unscaled (range) and stores P as c P~ / scale (<= Dqk**0.5, finite in fp16), so that the
