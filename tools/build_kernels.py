@@ -48,8 +48,11 @@ BWD_VARIANTS = {
 # ones measured slower, e.g. ws2c and wgc, were removed: git history).
 # (ws2q and wgt became the v11 defaults; wga and wgk2 measured no faster: docs/performance.md.)
 # ws2v: WG0 hands P0 to WG1 before waiting for its own register-A P V (flag p0_first).
+# ws2u: WG0's next left-half Q K^T queued behind its SS P V (flag qk_under_pv); ws2uv: both.
 EXPERIMENTAL_FWD = {
     "ws2v": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"p0_first": True}),
+    "ws2u": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"qk_under_pv": True}),
+    "ws2uv": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"p0_first": True, "qk_under_pv": True}),
 }
 # wgk3: 3 instead of 4 dKV chunks in WG0 at Dqk 512 (the v11 ncu has WG1 waiting on WG0's
 # P / dS tiles; 3-round A/B 2026-11-30: 0.991 / 0.987 / 0.983 of the default, every round

@@ -118,13 +118,18 @@ EMPTY_0L, EMPTY_0R, EMPTY_1L, EMPTY_1R = 4, 5, 6, 7
 
 
 class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
-    def __init__(self, dtype, d_qk: int, d_v: int = 512, p0_first: bool = False):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512, p0_first: bool = False,
+                 qk_under_pv: bool = False):
         super().__init__(dtype, d_qk, d_v)
         # Experimental ("ws2v"): WG0 hands P0 to WG1 (pair max, BAR_P0) before it waits for its
         # own RS P V, and releases stage 0 L after that; it waits earlier only when the pair max
         # moved (O is rescaled then). ncu of v11: WG1's wait for 1 L (8.5 %) follows WG0's SS
         # P V, which follows the P0 / P1 exchange.
         self.p0_first = p0_first
+        # Experimental ("ws2u"): WG0 queues the next pair's left-half Q K^T behind its SS P V
+        # (as FlashMLA orders it) and releases 1 L when the P V is done (wait_group(1)), instead
+        # of draining the P V before the next Q K^T (v10's early release).
+        self.qk_under_pv = qk_under_pv
         self.bn_g = self.bn  # each owner scores all 64 keys of its block
         self.half_chunks = self.dv_g // 8  # 16-byte chunks of the L half (32)
         self.k_half = self.dv_g // 16  # k16 steps of Q K^T over the L half (16)
@@ -597,10 +602,11 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                     # fill (ncu v9: WG1's wait for 1 L was its largest stall, 5.4 %). (The same
                     # for WG1's 1 R, a wait before the P0 barrier, made ptxas serialize every
                     # wgmma, C7514.)
-                    warpgroup.wait_group(0)
-                    if m + 1 < n_pairs:
-                        cute.arch.mbarrier_arrive(mbar + EMPTY_1L)
-                    if m + 1 < n_pairs:
+                    if cutlass.const_expr(not self.qk_under_pv):
+                        warpgroup.wait_group(0)
+                        if m + 1 < n_pairs:
+                            cute.arch.mbarrier_arrive(mbar + EMPTY_1L)
+                    if m + 1 < n_pairs:  # (then has1 holds)
                         ph = (m + 1) % 2
                         cute.arch.mbarrier_wait(mbar + FULL_0L, ph)
                         cute.arch.fence_proxy("async.shared", space="cta")
@@ -609,6 +615,10 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                             qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
                             cute.gemm(qk_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
                         warpgroup.commit_group()
+                        if cutlass.const_expr(self.qk_under_pv):
+                            # the SS P V (queued before this Q K^T) is done: 1 L is free
+                            warpgroup.wait_group(1)
+                            cute.arch.mbarrier_arrive(mbar + EMPTY_1L)
                         cute.arch.mbarrier_wait(mbar + FULL_0R, ph)
                         cute.arch.fence_proxy("async.shared", space="cta")
                         warpgroup.fence()
@@ -696,8 +706,9 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                            sO_layout, sOg_layout, pv_rs, bt, h0, H, cg, gtid, crow, csub, q_ok)
 
 
-def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512, p0_first: bool = False):
+def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512, p0_first: bool = False,
+                    qk_under_pv: bool = False):
     """Compile with shape-only tensors (common.fwd_fake_args)."""
-    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v, p0_first),
+    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v, p0_first, qk_under_pv),
                         *fwd_fake_args(dtype, d_qk, d_v))
 

@@ -1,0 +1,108 @@
+"""jax_dsa.grouping: merged index lists of consecutive tokens.
+
+Two properties: each token's multiset of valid rows is exactly the union entries carrying its bit;
+and attention computed over a group's union (rows of all G tokens' heads at once, each masked to
+its own token's entries) gives the reference's outputs and gradients, duplicates, invalid entries,
+topk_length, dead rows and sinks included.
+"""
+import collections
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import jax_dsa
+from jax_dsa.grouping import group_lists
+from cases import make_problem, rel_err
+
+
+def _valid_rows(idx, lengths, s):
+  return [int(r) for j, r in enumerate(idx) if j < lengths and 0 <= r < s]
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_union_entries_reproduce_every_tokens_list(group):
+  rng = np.random.default_rng(group)
+  b, t, k, s = 2, 16, 40, 50  # K close to S: many duplicates inside and across tokens
+  p = make_problem(rng, b, t, 1, 8, s, k, topk="partial")
+  rows, member, length = map(np.asarray, group_lists(
+      jnp.asarray(p.idx), jnp.asarray(p.lengths), s, group))
+  assert rows.shape == member.shape == (b, t // group, group * k)
+  for bi in range(b):
+    for gi in range(t // group):
+      n = length[bi, gi]
+      assert np.all(np.diff(rows[bi, gi, :n]) >= 0)
+      assert np.all(rows[bi, gi, n:] == -1) and np.all(member[bi, gi, n:] == 0)
+      assert np.all(member[bi, gi, :n] > 0) and np.all(member[bi, gi, :n] < 1 << group)
+      for g in range(group):
+        tok = gi * group + g
+        want = collections.Counter(_valid_rows(p.idx[bi, tok], p.lengths[bi, tok], s))
+        got = collections.Counter(
+            int(r) for r, m in zip(rows[bi, gi, :n], member[bi, gi, :n]) if m >> g & 1)
+        assert got == want, (bi, tok)
+
+
+def test_group_lists_rejects_bad_groups():
+  idx = jnp.zeros((1, 6, 3), jnp.int32)
+  tl = jnp.full((1, 6), 3, jnp.int32)
+  with pytest.raises(ValueError, match="multiple of group"):
+    group_lists(idx, tl, 10, 4)
+  with pytest.raises(ValueError, match="group must be in 1..31"):
+    group_lists(idx, tl, 10, 0)
+
+
+def _grouped_attention(q, kv, rows, member, length, sink, scale, d_v):
+  """Dense fp32 attention over each group's union: q [B, T, H, D] viewed as [B, T/G, G*H, D];
+  head row r of a group belongs to token r // H and sees only the entries with that bit."""
+  b, t, h, d = q.shape
+  n, u = rows.shape[1], rows.shape[2]
+  group = t // n
+  qg = q.reshape(b, n, group * h, d)
+  used = jnp.arange(u)[None, None, :] < length[..., None]
+  kv_u = jax.vmap(lambda x, i: x[jnp.where(i >= 0, i, 0)])(kv, rows)  # [B, n, U, D]
+  token = jnp.arange(group * h) // h
+  sees = used[:, :, None, :] & ((member[:, :, None, :] >> token[None, None, :, None]) & 1 > 0)
+  s = jnp.einsum("bnrd,bnud->bnru", qg, kv_u, precision="highest") * scale
+  s = jnp.where(sees, s, -jnp.inf)
+  m = jnp.max(s, axis=-1)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  e = jnp.exp(s - m[..., None])
+  l = jnp.sum(e, axis=-1)
+  sink_r = jnp.tile(sink, group)[None, None, :]
+  o = jnp.einsum("bnru,bnud->bnrd", e, kv_u[..., :d_v], precision="highest")
+  o = o / (l + jnp.exp(sink_r - m))[..., None]
+  lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+  return o.reshape(b, t, h, d_v), lse.reshape(b, t, h)
+
+
+@pytest.mark.parametrize("h,group", [(4, 4), (2, 8), (8, 2)])
+def test_attention_over_the_union_matches_the_reference(h, group):
+  rng = np.random.default_rng(100 + h)
+  b, t, d, s, k = 2, 8, 16, 24, 12
+  p = make_problem(rng, b, t, h, d, s, k, sink=True, topk="partial", d_v=12)
+  q, kv, sink = jnp.asarray(p.q), jnp.asarray(p.kv), jnp.asarray(p.sink)
+  idx, tl = jnp.asarray(p.idx), jnp.asarray(p.lengths)
+  rows, member, length = group_lists(idx, tl, s, group)
+  w_o = jnp.asarray(rng.standard_normal((b, t, h, p.d_v)), jnp.float32)
+  w_lse = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+
+  def loss(o, lse):
+    return jnp.sum(o * w_o) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_lse)
+
+  def reference(q, kv, sink):
+    return jax_dsa.sparse_mla(q, kv, idx, sink=sink, topk_length=tl, d_v=p.d_v,
+                              return_lse=True, implementation="xla")
+
+  def grouped(q, kv, sink):
+    return _grouped_attention(q, kv, rows, member, length, sink, p.scale, p.d_v)
+
+  (o_r, lse_r), (o_g, lse_g) = reference(q, kv, sink), grouped(q, kv, sink)
+  assert rel_err(o_g, o_r) < 1e-5
+  np.testing.assert_array_equal(np.isfinite(lse_g), np.isfinite(lse_r))
+  assert rel_err(jnp.where(jnp.isfinite(lse_g), lse_g, 0), jnp.where(jnp.isfinite(lse_r), lse_r, 0)) < 1e-5
+  grads_r = jax.grad(lambda *a: loss(*reference(*a)), argnums=(0, 1, 2))(q, kv, sink)
+  grads_g = jax.grad(lambda *a: loss(*grouped(*a)), argnums=(0, 1, 2))(q, kv, sink)
+  for name, g, r in zip(("dq", "dkv", "dsink"), grads_g, grads_r):
+    assert rel_err(g, r) < 1e-4, (name, rel_err(g, r))
