@@ -8,12 +8,13 @@ any other platform).
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_dsa import reference, sharding
+from jax_dsa import grouping, reference, sharding
 
 
 def _local_forward(q, kv, idx, topk_length, sink, *, scale, d_v, impl):
@@ -32,16 +33,54 @@ def _local_forward(q, kv, idx, topk_length, sink, *, scale, d_v, impl):
   return lax.platform_dependent(*args, cuda=kernel, default=ref)
 
 
+@functools.lru_cache(maxsize=None)
+def _experimental_bwd_group() -> int:
+  """G of the experimental grouped backward (JAX_DSA_BWD_IMPL=wgg<G>, read once, as the
+  library reads it), else 1."""
+  tag = os.environ.get("JAX_DSA_BWD_IMPL", "")
+  return int(tag[3:]) if tag.startswith("wgg") and tag[3:].isdigit() else 1
+
+
 def _kernel_backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale, deterministic):
   """dq, dkv and delta = rowsum(do * o) on the Hopper kernel; the sink terms in plain JAX."""
   from jax_dsa import _native
   c, sink_share = reference.sink_split(sink[None, None, :], lse)
   # dS_j = p~_j * (c * dP_j - (c * delta - dlse)): the kernel computes delta and needs c, dlse.
   coef = jnp.stack([c, dlse], axis=-1)
-  bwd = _native.sparse_mla_bwd_deterministic if deterministic else _native.sparse_mla_bwd
-  dq, dkv, delta = bwd(q, kv, idx, topk_length, lse, do, o, coef, scale=scale)
+  group = _experimental_bwd_group()
+  if group > 1:
+    dq, dkv, delta = _grouped_kernel_backward(q, kv, idx, topk_length, lse, do, o, coef,
+                                              scale=scale, deterministic=deterministic,
+                                              group=group)
+  else:
+    bwd = _native.sparse_mla_bwd_deterministic if deterministic else _native.sparse_mla_bwd
+    dq, dkv, delta = bwd(q, kv, idx, topk_length, lse, do, o, coef, scale=scale)
   dsink = jnp.where(jnp.isneginf(sink)[None, :], 0.0, -jnp.sum(sink_share * delta, axis=1))
   return dq, dkv, dsink
+
+
+def _grouped_kernel_backward(q, kv, idx, topk_length, lse, do, o, coef, *, scale, deterministic,
+                             group):
+  """The experimental grouped backward kernel: `group` consecutive tokens of H heads run as one
+  64-row token over the union of their lists (jax_dsa.grouping). Only H * group == 64."""
+  from jax_dsa import _native
+  b, t, h, _ = q.shape
+  s_rows = kv.shape[1]
+  if deterministic or h * group != 64 or t % group or s_rows >= 1 << grouping.MEMBER_SHIFT:
+    raise NotImplementedError(
+        f"the experimental grouped backward (JAX_DSA_BWD_IMPL=wgg{group}) needs H * {group} = "
+        f"64, T a multiple of {group}, S < 2^{grouping.MEMBER_SHIFT} and deterministic=False; "
+        f"got H={h}, T={t}, S={s_rows}, deterministic={deterministic}")
+  rows, member, length = grouping.group_lists(idx, topk_length, s_rows, group)
+  n = t // group
+
+  def view(x):  # [B, T, H, ...] -> [B, T / group, group * H, ...] (rows stay contiguous)
+    return x.reshape(b, n, group * h, *x.shape[3:])
+
+  dq, dkv, delta = _native.sparse_mla_bwd(view(q), kv, grouping.pack_entries(rows, member),
+                                          length, view(lse), view(do), view(o), view(coef),
+                                          scale=scale)
+  return dq.reshape(q.shape), dkv, delta.reshape(b, t, h)
 
 
 def _local_backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale, d_v, impl,

@@ -20,6 +20,9 @@ from jax import lax
 
 from jax_dsa.reference import valid_mask
 
+# pack_entries: an entry is its kv row | membership bits << MEMBER_SHIFT (rows < 2^23, G <= 8).
+MEMBER_SHIFT = 23
+
 
 def _occurrences(rows):
   """[..., n] rows sorted ascending -> [..., n] index of each among the equal rows before it."""
@@ -76,3 +79,9 @@ def group_lists(idx, topk_length, num_kv_rows: int, group: int):
                                      flat(jnp.where(used, bit, 0)))
   rows, member = rows.reshape(b, n, group * k), member.reshape(b, n, group * k)
   return rows, member, length
+
+
+def pack_entries(rows, member):
+  """One int32 per union entry for the grouped backward kernel: row | member << MEMBER_SHIFT,
+  -1 where rows is -1. Needs rows < 2^MEMBER_SHIFT and member < 2^(31 - MEMBER_SHIFT)."""
+  return jnp.where(rows >= 0, rows | jnp.left_shift(member, MEMBER_SHIFT), -1)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_dsa
-from jax_dsa import api
+from jax_dsa import _core, api
 from cases import make_problem, rel_err
 import oracle
 
@@ -58,9 +58,32 @@ def _grads(p, dtype, impl, w_o, w_lse, deterministic=False):
   return q, kv, fn(q, kv, sink)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}H{}D{}S{}K{}{}-{}".format(
-    *c[:6], "-sink" if c[6] else "", c[7]))
+# For the experimental grouped backward (JAX_DSA_BWD_IMPL=wgg4: H = 16, T a multiple of 4):
+# tokens whose lists overlap (K close to S), duplicates, invalid entries, partial lengths.
+GROUPED_CASES = [
+    (1, 16, 16, 512, 4096, 640, True, "partial"),
+    (2, 8, 16, 576, 60, 48, True, "partial"),
+    (1, 12, 16, 512, 100, 640, False, "none"),
+]
+
+
+def _case_id(c):
+  return "B{}T{}H{}D{}S{}K{}{}-{}".format(*c[:6], "-sink" if c[6] else "", c[7])
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_backward_kernel_matches_oracle_and_reference(case):
+  _check_kernel_gradients(case)
+
+
+@pytest.mark.skipif(_core._experimental_bwd_group() != 4,
+                    reason="the grouped backward runs only with JAX_DSA_BWD_IMPL=wgg4")
+@pytest.mark.parametrize("case", GROUPED_CASES, ids=_case_id)
+def test_grouped_backward_matches_oracle_and_reference(case):
+  _check_kernel_gradients(case)
+
+
+def _check_kernel_gradients(case):
   _kernel_or_skip()
   b, t, h, d, s, k, sink, topk = case
   rng = np.random.default_rng(zlib.crc32(repr(case).encode()))

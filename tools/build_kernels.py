@@ -57,8 +57,11 @@ EXPERIMENTAL_FWD = {
 # wgk3: 3 instead of 4 dKV chunks in WG0 at Dqk 512 (the v11 ncu has WG1 waiting on WG0's
 # P / dS tiles; 3-round A/B 2026-11-30: 0.991 / 0.987 / 0.983 of the default, every round
 # below 1; not GPU-tested yet).
+# wgg4: the grouped backward for H = 16 (4 tokens x 16 heads as one 64-row token over the union
+# of their lists, jax_dsa.grouping; JAX_DSA_BWD_IMPL=wgg4 also switches _core to that layout).
 EXPERIMENTAL_BWD = {
     "wgk3": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"wg0_chunks": 3}),
+    "wgg4": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"group": 4}),
 }
 # (dtype name, Dqk); one export per variant and spec.
 FWD_SPECS = [("bf16", 512), ("bf16", 576), ("f16", 512), ("f16", 576)]

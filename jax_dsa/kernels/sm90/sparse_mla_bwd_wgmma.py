@@ -118,6 +118,7 @@ from jax_dsa.kernels.sm90.common import (LOG2_E, bwd_fake_args, compile_options,
                                          red_add_v4_f32, red_add_v4_f32_if, st_global_v4_f32,
                                          st_global_v4_f32_if)
 from jax_dsa.kernels.sm90.scatter_layout import SCRATCH_BYTES, SCRATCH_WARP_FLOATS, scratch_offset
+from jax_dsa.grouping import MEMBER_SHIFT as GROUP_SHIFT
 
 
 
@@ -157,7 +158,7 @@ DS_EMPTY = 2
 
 class SparseMlaBwdWgmmaSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                 wg0_chunks: int | None = None):
+                 wg0_chunks: int | None = None, group: int = 1):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -196,6 +197,13 @@ class SparseMlaBwdWgmmaSm90:
         # (v11, was candidate "wgt"; ncu of v8 had the FSEL / SHFL-bound scatter at ~45 % of
         # each group's time). Dqk 576 has no room for the 16 KB and keeps the shuffles.
         self.smem_scatter = self.rope == 0
+        # Experimental ("wgg4"): the 64 head rows are `group` consecutive tokens of 64 / group
+        # heads each, and idx is the group's merged list (jax_dsa.grouping.group_lists) with the
+        # membership bits from bit GROUP_SHIFT up (grouping.pack_entries): head row i sees an
+        # entry only if bit i // (64 / group) is set. The caller views q / dO / o / lse / dq as
+        # [B, T / group, 64, D] (contiguous) and keeps S < 2^GROUP_SHIFT.
+        assert group in (1, 2, 4, 8)
+        self.group = group
 
 
     # ---------------------------------------------------------------- host side
@@ -339,11 +347,15 @@ class SparseMlaBwdWgmmaSm90:
         cp.async from kv[b, idx], or zeros for an invalid entry (never read from global)."""
         for p in cutlass.range_constexpr(self.g_passes):
             r = grow + self.g_rows * p
-            row = idx_r[p]
-            ok = row >= 0 and row < S
+            entry = idx_r[p]
+            row = entry
+            if cutlass.const_expr(self.group > 1):
+                row = entry & ((1 << GROUP_SHIFT) - 1)
+            ok = entry >= 0 and row < S
             if cutlass.const_expr(write_rows):
                 if gsub == 0:
-                    sRow[slot * self.bn + r] = row if ok else cutlass.Int32(-1)
+                    # (grouped: the whole entry, bits included; readers decode it)
+                    sRow[slot * self.bn + r] = entry if ok else cutlass.Int32(-1)
             if ok:
                 g_row = kv_batch + cutlass.Int64(row)
                 for i in cutlass.range_constexpr(n_chunks // self.g_tpr):
@@ -584,8 +596,13 @@ class SparseMlaBwdWgmmaSm90:
                 S_mn = self._acc_mn_view(acc_S)
                 dP_mn = self._acc_mn_view(acc_dP)
                 for c in cutlass.range_constexpr(n_cols):
-                    valid = sRow[slot * bn + tScS[0, c][1]] >= 0
+                    entry = sRow[slot * bn + tScS[0, c][1]]
+                    valid = entry >= 0
                     for r in cutlass.range_constexpr(n_rows):
+                        if cutlass.const_expr(self.group > 1):
+                            # this head row's token must have the entry in its own list
+                            tok_bit = GROUP_SHIFT + tScS[r, 0][0] // (bm // self.group)
+                            valid = entry >= 0 and ((entry >> tok_bit) & 1) != 0
                         e = cute.math.exp2(S_mn[r, c] * scale_log2 - row_lse[r], fastmath=True)
                         p = cutlass.Float32(cutlass.select_(valid, e, cutlass.Float32(0.0)))
                         # dS (bf16: times scale, folded into row_c / row_d)
@@ -762,6 +779,8 @@ class SparseMlaBwdWgmmaSm90:
         for i in cutlass.range_constexpr(4):
             kr = kr_base + (i % 2) + 8 * (i // 2)
             row = sRow[slot * bn + kr]
+            if cutlass.const_expr(self.group > 1):
+                row = row & ((1 << GROUP_SHIFT) - 1) if row >= 0 else cutlass.Int32(-1)
             if cutlass.const_expr(self.deterministic):
                 g_bases.append(((tok_row0 + cutlass.Int64(blk * bn + kr))
                                 * cutlass.Int64(n_hb) + cutlass.Int64(hb))
@@ -927,8 +946,10 @@ class SparseMlaBwdWgmmaSm90:
 
 # -------------------------------------------------------------------- AOT compile entry
 def compile_bwd_wgmma(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                      options: str | None = None, wg0_chunks: int | None = None):
+                      options: str | None = None, wg0_chunks: int | None = None,
+                      group: int = 1):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
-    return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks),
+    return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks,
+                                              group),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))
