@@ -106,3 +106,18 @@ def test_attention_over_the_union_matches_the_reference(h, group):
   grads_g = jax.grad(lambda *a: loss(*grouped(*a)), argnums=(0, 1, 2))(q, kv, sink)
   for name, g, r in zip(("dq", "dkv", "dsink"), grads_g, grads_r):
     assert rel_err(g, r) < 1e-4, (name, rel_err(g, r))
+
+
+@pytest.mark.parametrize("h,t,deterministic", [(8, 8, False), (16, 6, False), (16, 8, True)])
+def test_grouped_backward_refuses_what_it_cannot_run(h, t, deterministic):
+  """Under JAX_DSA_BWD_IMPL=wgg4 every backward call gets the grouped kernel, so a call it
+  cannot serve must fail loudly instead of running ungrouped lists through it."""
+  from jax_dsa import _core
+  q = jnp.zeros((1, t, h, 8), jnp.bfloat16)
+  kv = jnp.zeros((1, 32, 8), jnp.bfloat16)
+  idx = jnp.zeros((1, t, 4), jnp.int32)
+  tl = jnp.full((1, t), 4, jnp.int32)
+  lse = jnp.zeros((1, t, h), jnp.float32)
+  with pytest.raises(NotImplementedError, match="grouped backward"):
+    _core._grouped_kernel_backward(q, kv, idx, tl, lse, q, q, jnp.stack([lse, lse], -1),
+                                   scale=1.0, deterministic=deterministic, group=4)
