@@ -46,21 +46,12 @@ BWD_VARIANTS = {
 # Experimental variants (not defaults): built only with --experimental, selected with
 # JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>; their GPU status goes in docs/performance.md (the
 # ones measured slower, e.g. ws2c and wgc, were removed: git history).
-# (ws2q and wgt became the v11 defaults; wga and wgk2 measured no faster: docs/performance.md.)
-# ws2v: WG0 hands P0 to WG1 before waiting for its own register-A P V (flag p0_first).
-# ws2u: WG0's next left-half Q K^T queued behind its SS P V (flag qk_under_pv); ws2uv: both.
-EXPERIMENTAL_FWD = {
-    "ws2v": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"p0_first": True}),
-    "ws2u": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"qk_under_pv": True}),
-    "ws2uv": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"p0_first": True, "qk_under_pv": True}),
-}
-# wgk3: 3 instead of 4 dKV chunks in WG0 at Dqk 512 (the v11 ncu has WG1 waiting on WG0's
-# P / dS tiles; 3-round A/B 2026-11-30: 0.991 / 0.987 / 0.983 of the default, every round
-# below 1; not GPU-tested yet).
+# (ws2q and wgt became the v11 defaults, wgk3 the v12 one; wga, wgk2, ws2u, ws2v and ws2uv
+# measured no faster: docs/performance.md.)
+EXPERIMENTAL_FWD = {}
 # wgg4: the grouped backward for H = 16 (4 tokens x 16 heads as one 64-row token over the union
 # of their lists, jax_dsa.grouping; JAX_DSA_BWD_IMPL=wgg4 also switches _core to that layout).
 EXPERIMENTAL_BWD = {
-    "wgk3": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"wg0_chunks": 3}),
     "wgg4": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"group": 4}),
 }
 # (dtype name, Dqk); one export per variant and spec.

@@ -36,7 +36,7 @@ min_blocks_per_mp=1, so each thread may use up to 255 registers):
       writes the 16-bit P (= c P~) and dS tiles (64 heads x 64 rows) to smem, arrives ds_full
       dQ[:, 0:256] += dS K[:, 0:256]   wgmma 64x256x16 with dS as the REGISTER A operand
       gathers columns [0, 256) of block n + 1 (16-byte cp.async; 8 threads per row)
-      dKV chunks ch < wg0_chunks (4 at Dqk 512, 3 at 576) of block n, as WG1 does below
+      dKV chunks ch < wg0_chunks (3) of block n, as WG1 does below
       (_dkv_block): WG0 had slack (it waited ~44 % of its time for WG1 before this split, ncu v6)
   WG1 ("dKV" group) per block n:
       waits ds_full(n) and kv_full(n)
@@ -187,9 +187,12 @@ class SparseMlaBwdWgmmaSm90:
         # chunk at a time: 1 / 2 / 3 / 4 / 5 chunks in WG0 -> H=64 2.92 / 2.85 / 2.73-2.78 /
         # 2.82 / 2.79 ms against 2.98 with none. With chunk pairs (_dkv_block): 2 / 3 / 4 ->
         # H=64 2.77 / 2.77 / 2.64 ms, H=128 5.35 / 5.37 / 5.28 ms, so 4 (two pairs) at Dqk 512.
-        # Dqk 576 issues one chunk at a time (pairs spill) and keeps the measured 3.
+        # Dqk 576 issues one chunk at a time (pairs spill) and keeps the measured 3. v12: after
+        # the shared-memory scatter (v11) WG0 became the critical group (ncu: WG1 waits for
+        # DS_FULL 12 %), and 3 at Dqk 512 too (a pair and a single) is 1-2 % faster (3-round
+        # A/B: 0.991 / 0.987 / 0.983 of 4, was candidate "wgk3").
         if wg0_chunks is None:
-            wg0_chunks = 4 if d_qk == 512 else 3
+            wg0_chunks = 3
         assert 0 <= wg0_chunks < self.n_ch
         self.wg0_chunks = wg0_chunks
         # At Dqk 512 the scatter transposes each chunk through a 2 KB shared-memory scratch per

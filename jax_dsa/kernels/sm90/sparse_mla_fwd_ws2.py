@@ -118,18 +118,8 @@ EMPTY_0L, EMPTY_0R, EMPTY_1L, EMPTY_1R = 4, 5, 6, 7
 
 
 class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
-    def __init__(self, dtype, d_qk: int, d_v: int = 512, p0_first: bool = False,
-                 qk_under_pv: bool = False):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512):
         super().__init__(dtype, d_qk, d_v)
-        # Experimental ("ws2v"): WG0 hands P0 to WG1 (pair max, BAR_P0) before it waits for its
-        # own RS P V, and releases stage 0 L after that; it waits earlier only when the pair max
-        # moved (O is rescaled then). ncu of v11: WG1's wait for 1 L (8.5 %) follows WG0's SS
-        # P V, which follows the P0 / P1 exchange.
-        self.p0_first = p0_first
-        # Experimental ("ws2u"): WG0 queues the next pair's left-half Q K^T behind its SS P V
-        # (as FlashMLA orders it) and releases 1 L when the P V is done (wait_group(1)), instead
-        # of draining the P V before the next Q K^T (v10's early release).
-        self.qk_under_pv = qk_under_pv
         self.bn_g = self.bn  # each owner scores all 64 keys of its block
         self.half_chunks = self.dv_g // 8  # 16-byte chunks of the L half (32)
         self.k_half = self.dv_g // 16  # k16 steps of Q K^T over the L half (16)
@@ -553,9 +543,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                     warpgroup.commit_group()
                     # Stage 0 L is free once the RS P V is: the producer refills it while this
                     # group waits for WG1's max (v10 "early release").
-                    if cutlass.const_expr(not self.p0_first):
-                        warpgroup.wait_group(0)
-                        cute.arch.mbarrier_arrive(mbar + EMPTY_0L)
+                    warpgroup.wait_group(0)
+                    cute.arch.mbarrier_arrive(mbar + EMPTY_0L)
                     # WG1's pair max (>= m_own); factor f = exp2(m_own - m1), 0 if m_own = -inf
                     # (then P0 = 0 and O_0 = 0 already).
                     cute.arch.barrier(barrier_id=BAR_M1, number_of_threads=self.n_cons)
@@ -575,8 +564,6 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                     # the rows that did not move).
                     pair_moved = cute.arch.vote_any_sync(pair_moved)
                     if pair_moved:
-                        if cutlass.const_expr(self.p0_first):
-                            warpgroup.wait_group(0)  # the RS P V accumulates into O
                         for r in cutlass.range_constexpr(n_rows):
                             S_mn[r, None] = S_mn[r, None].load() * mx[r]
                             O_mn[r, None] = O_mn[r, None].load() * mx[r]
@@ -585,9 +572,6 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                         cute.copy(r2s_p, r2s_p.retile(rP), tPsP)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.barrier_arrive(barrier_id=BAR_P0, number_of_threads=self.n_cons)
-                    if cutlass.const_expr(self.p0_first):
-                        warpgroup.wait_group(0)
-                        cute.arch.mbarrier_arrive(mbar + EMPTY_0L)
                     # O_0 += P1 V1[:, :256] (P1 from shared memory), left in flight under the
                     # next pair's Q K^T (left columns: stage 0 L is released first).
                     cute.arch.barrier(barrier_id=BAR_P1, number_of_threads=self.n_cons)
@@ -602,10 +586,9 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                     # fill (ncu v9: WG1's wait for 1 L was its largest stall, 5.4 %). (The same
                     # for WG1's 1 R, a wait before the P0 barrier, made ptxas serialize every
                     # wgmma, C7514.)
-                    if cutlass.const_expr(not self.qk_under_pv):
-                        warpgroup.wait_group(0)
-                        if m + 1 < n_pairs:
-                            cute.arch.mbarrier_arrive(mbar + EMPTY_1L)
+                    warpgroup.wait_group(0)
+                    if m + 1 < n_pairs:
+                        cute.arch.mbarrier_arrive(mbar + EMPTY_1L)
                     if m + 1 < n_pairs:  # (then has1 holds)
                         ph = (m + 1) % 2
                         cute.arch.mbarrier_wait(mbar + FULL_0L, ph)
@@ -615,10 +598,6 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                             qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
                             cute.gemm(qk_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
                         warpgroup.commit_group()
-                        if cutlass.const_expr(self.qk_under_pv):
-                            # the SS P V (queued before this Q K^T) is done: 1 L is free
-                            warpgroup.wait_group(1)
-                            cute.arch.mbarrier_arrive(mbar + EMPTY_1L)
                         cute.arch.mbarrier_wait(mbar + FULL_0R, ph)
                         cute.arch.fence_proxy("async.shared", space="cta")
                         warpgroup.fence()
@@ -706,9 +685,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                            sO_layout, sOg_layout, pv_rs, bt, h0, H, cg, gtid, crow, csub, q_ok)
 
 
-def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512, p0_first: bool = False,
-                    qk_under_pv: bool = False):
+def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512):
     """Compile with shape-only tensors (common.fwd_fake_args)."""
-    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v, p0_first, qk_under_pv),
+    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v),
                         *fwd_fake_args(dtype, d_qk, d_v))
 

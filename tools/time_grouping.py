@@ -1,0 +1,76 @@
+#!/usr/bin/env python
+"""Where the grouped backward's time goes (experimental wgg4, H = 16): the XLA union of the lists
+against the kernel, on the benchmark's H = 16 problem (T = S = 4096, window 128 + 512 picks).
+
+    JAX_DSA_BWD_IMPL=wgg4 python tools/time_grouping.py
+
+Prints, median over replays (examples/benchmark.py's timer): the union alone
+(jax_dsa.grouping.group_lists + pack_entries), the kernel alone on precomputed packed lists
+(the FFI call of _core._grouped_kernel_backward), and the whole backward (vjp, as the
+benchmark times it), plus how many 64-row blocks the union has against the plain lists.
+"""
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import benchmark  # noqa: E402
+from jax_dsa import _core, _native, grouping  # noqa: E402
+
+H, TOPK, GROUP = 16, 512, 4
+
+
+def main():
+  if _core._experimental_bwd_group() != GROUP:
+    sys.exit(f"run with JAX_DSA_BWD_IMPL=wgg{GROUP}")
+  q, kv, idx, sink, _ = benchmark.make_inputs(H, TOPK, 4096)
+  b, t, h, d = q.shape
+  s_rows, k = kv.shape[1], idx.shape[-1]
+  topk_length = jnp.full((b, t), k, jnp.int32)
+
+  def union(idx, topk_length):
+    rows, member, length = grouping.group_lists(idx, topk_length, s_rows, GROUP)
+    return grouping.pack_entries(rows, member), length
+
+  union_jit = jax.jit(union)
+  packed, length = union_jit(idx, topk_length)
+  t_union = benchmark.time_call(union_jit, (idx, topk_length), 5, 3)
+
+  fwd, bwd_args = benchmark.make_fn("cute", "bwd")
+  vjp_fn, cot = bwd_args(q, kv, idx, sink)
+  t_total = benchmark.time_call(fwd, (vjp_fn, cot), 5, 3)
+
+  o, lse = jax_dsa_forward(q, kv, idx, sink)
+  do = jax.random.normal(jax.random.PRNGKey(7), o.shape, jnp.float32).astype(o.dtype)
+  coef = jnp.stack([jnp.full(lse.shape, 0.5, jnp.float32), jnp.zeros_like(lse)], axis=-1)
+  n = t // GROUP
+
+  def view(x):
+    return x.reshape(b, n, GROUP * h, *x.shape[3:])
+
+  def kernel(q, kv, packed, length, lse, do, o, coef):
+    return _native.sparse_mla_bwd(view(q), kv, packed, length, view(lse), view(do), view(o),
+                                  view(coef), scale=d ** -0.5)
+
+  kernel_jit = jax.jit(kernel)
+  t_kernel = benchmark.time_call(kernel_jit, (q, kv, packed, length, lse, do, o, coef), 5, 3)
+  blocks_union = int(np.sum(-(-np.asarray(length) // 64)))
+  blocks_plain = b * t * (-(-k // 64))  # ceil(K / 64) blocks per token
+  print(f"H={H} K={k} T=S={t}: union (XLA) {t_union * 1e6:.0f} us, grouped kernel alone "
+        f"{t_kernel * 1e6:.0f} us, whole backward {t_total * 1e6:.0f} us; "
+        f"union blocks {blocks_union} (of {GROUP} tokens each) vs {blocks_plain} plain")
+
+
+def jax_dsa_forward(q, kv, idx, sink):
+  import jax_dsa
+  return jax.jit(lambda q, kv, idx, sink: jax_dsa.sparse_mla(
+      q, kv, idx, sink=sink, return_lse=True, implementation="cute"))(q, kv, idx, sink)
+
+
+if __name__ == "__main__":
+  main()
