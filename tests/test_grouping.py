@@ -44,6 +44,19 @@ def test_union_entries_reproduce_every_tokens_list(group):
         assert got == want, (bi, tok)
 
 
+def test_large_row_counts_take_the_two_key_sort_with_the_same_result():
+  # (S + 1) * G beyond int32 cannot be one sort key; that path must give the same union.
+  rng = np.random.default_rng(7)
+  p = make_problem(rng, 1, 16, 1, 8, 50, 40, topk="partial")
+  idx = jnp.asarray(p.idx)
+  lengths = jnp.asarray(p.lengths)
+  small = group_lists(idx, lengths, 50, 8)
+  idx_big = jnp.where((idx >= 50) | (idx < 0), -1, idx)  # the same valid entries under S = 2^29
+  big = group_lists(idx_big, lengths, 1 << 29, 8)
+  for a, b in zip(small, big):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_group_lists_rejects_bad_groups():
   idx = jnp.zeros((1, 6, 3), jnp.int32)
   tl = jnp.full((1, 6), 3, jnp.int32)

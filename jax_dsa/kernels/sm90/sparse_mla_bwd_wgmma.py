@@ -77,9 +77,11 @@ Per-block cost estimate (64 live heads, Dqk 512 as benchmarked; tensor core peak
   T = S = 4096, K = 640 (10 blocks / token, 310 blocks per SM at 132 SMs):
   H = 64: ~0.9-1.1 ms of MMA; H = 128: 2x; H = 16: WG0's S/dP/dQ still cost 64 rows
   (wgmma M = 64) while dKV drops to 1 of 4 k-steps: ~4.3 k clk / block, ~0.7 ms.
-  The dkv scatter (2 KB of fp32 RED per gathered row, 5.4 GB at this shape) is issued by WG1
-  between its MMAs and overlaps WG0's work; if L2 atomic throughput is ~2.5 TB/s it is a
-  ~2.2 ms floor at H = 64 / 16 (x2 at H = 128) -- the floor, not the MMAs, then decides.
+  The dkv scatter (2 KB of fp32 RED per gathered row, 5.4 GB at this shape) is issued by both
+  groups between their MMAs; the H200 adds at most ~3.75 TB/s of red.v4.f32 (measured,
+  docs/performance.md), a 1.42 ms floor at H = 64 / 16 (x2 at H = 128). Measured (v12): H = 64
+  2.45 ms, H = 16 2.08 ms, i.e. ~15 / ~13 kclk per block: each group's serial chain, not the
+  MMAs, and at H <= 16 mostly the REDs, decide.
   smem operand traffic: SS wgmma 64x64x16 reads 4 KB per 32 clk (at the 128 B/clk limit),
   64x256x16 10 KB per 128 clk; no ldmatrix traffic (v2: ~1.8 MB per block).
 
