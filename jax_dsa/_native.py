@@ -20,6 +20,7 @@ LIB_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib", "lib
 FWD_TARGET = "jax_dsa_sparse_mla_fwd_sm90"
 BWD_TARGET = "jax_dsa_sparse_mla_bwd_sm90"
 BWD_DET_TARGET = "jax_dsa_sparse_mla_bwd_deterministic_sm90"
+UNION_TARGET = "jax_dsa_group_union_sm90"
 D_V = 512
 
 _lock = threading.Lock()
@@ -76,6 +77,10 @@ def load():
                     jax.ffi.pycapsule(lib.JaxDsaSparseMlaBwdDeterministicSm90),
                     platform="CUDA",
                 )
+            if hasattr(lib, "JaxDsaGroupUnionSm90"):
+                jax.ffi.register_ffi_target(
+                    UNION_TARGET, jax.ffi.pycapsule(lib.JaxDsaGroupUnionSm90), platform="CUDA"
+                )
             _registered = True
     return lib
 
@@ -101,6 +106,12 @@ def _ensure_modules_loaded(lib):
                 if rc != 0:
                     raise RuntimeError(
                         f"jax_dsa: loading the backward kernel modules failed (cudaError {rc})")
+            if hasattr(lib, "JaxDsaGroupUnionInit"):
+                lib.JaxDsaGroupUnionInit.restype = ctypes.c_int
+                rc = lib.JaxDsaGroupUnionInit()
+                if rc != 0:
+                    raise RuntimeError(
+                        f"jax_dsa: loading the list-union kernel modules failed (cudaError {rc})")
             _modules_loaded = True
 
 
@@ -184,6 +195,44 @@ def sparse_mla_bwd(q, kv, idx, topk_length, lse, do, o, coef, scale):
         jnp.asarray(coef, jnp.float32),
         scale=np.float32(scale),
     )
+
+
+# ---------------------------------------------------------------- grouped backward's list union
+UNION_CAPACITY = 6144  # kernels/sm90/group_union.CAPACITY: group * K at most
+
+
+def has_group_union() -> bool:
+    """True when the library was built with the list-union kernels (--experimental). Never
+    raises."""
+    try:
+        with _lock:
+            lib = _open()
+        if lib is None or not hasattr(lib, "JaxDsaGroupUnionNumKernels"):
+            return False
+        lib.JaxDsaGroupUnionNumKernels.restype = ctypes.c_int
+        return lib.JaxDsaGroupUnionNumKernels() > 0
+    except Exception:  # pragma: no cover - defensive
+        return False
+
+
+def group_union(idx, topk_length, num_kv_rows: int, group: int):
+    """The union entries of jax_dsa.grouping.pack_entries(*group_lists(...)[:2]) (the same
+    multiset per group, in another order) and the union lengths, by the CUDA kernel
+    (ffi/group_union.cc): (packed [B, T / G, G * K] int32, length [B, T / G] int32).
+    Needs T % G == 0, G * K <= UNION_CAPACITY and num_kv_rows < 2^23 (the handler checks)."""
+    lib = load()
+    if any(d.platform == "gpu" for d in jax.devices()):
+        _ensure_modules_loaded(lib)
+    B, T, K = idx.shape
+    n = T // group
+    call = jax.ffi.ffi_call(
+        UNION_TARGET,
+        (jax.ShapeDtypeStruct((B, n, group * K), jnp.int32),
+         jax.ShapeDtypeStruct((B, n), jnp.int32)),
+        vmap_method="sequential",
+    )
+    return call(jnp.asarray(idx, jnp.int32), jnp.asarray(topk_length, jnp.int32),
+                num_kv_rows=np.int64(num_kv_rows), group=np.int32(group))
 
 
 # ---------------------------------------------------------------- deterministic backward

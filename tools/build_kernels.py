@@ -51,8 +51,10 @@ BWD_VARIANTS = {
 EXPERIMENTAL_FWD = {}
 # wgg4: the grouped backward for H = 16 (4 tokens x 16 heads as one 64-row token over the union
 # of their lists, jax_dsa.grouping; JAX_DSA_BWD_IMPL=wgg4 also switches _core to that layout).
+# wgg8: the same for H = 8 (8 tokens). Each group size also gets its list-union kernel.
 EXPERIMENTAL_BWD = {
     "wgg4": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"group": 4}),
+    "wgg8": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"group": 8}),
 }
 # (dtype name, Dqk); one export per variant and spec.
 FWD_SPECS = [("bf16", 512), ("bf16", 576), ("f16", 512), ("f16", 576)]
@@ -147,6 +149,13 @@ def export_kernels(build_dir, only=None, experimental=False):
                              f(dt, d, deterministic=det)))
     for d in sorted({d for _, d in FWD_SPECS}):  # the deterministic dkv reduction (fp32 only)
         jobs.append((f"jax_dsa_dkvreduce_d{d}", lambda d=d: compile_dkv_reduce(d)))
+    # The list union of each grouped backward candidate's group size (ffi/group_union.cc).
+    groups = sorted({entry[2]["group"] for entry in EXPERIMENTAL_BWD.values()
+                     if len(entry) > 2 and "group" in entry[2]}) if experimental else []
+    if groups:
+        from jax_dsa.kernels.sm90.group_union import compile_group_union
+    for g in groups:
+        jobs.append((f"jax_dsa_groupunion_g{g}", lambda g=g: compile_group_union(g)))
     for prefix, compile_fn in jobs:
         if only and not any(o in prefix for o in only):
             continue
@@ -166,6 +175,8 @@ def write_index_header(build_dir, prefixes):
     lines.append("#define JAX_DSA_BWD_SPECS(X) " + " ".join(f"X({p})" for p in bwd))
     red = [p for p in prefixes if p.startswith("jax_dsa_dkvreduce")]
     lines.append("#define JAX_DSA_REDUCE_SPECS(X) " + " ".join(f"X({p})" for p in red))
+    union = [p for p in prefixes if p.startswith("jax_dsa_groupunion")]
+    lines.append("#define JAX_DSA_UNION_SPECS(X) " + " ".join(f"X({p})" for p in union))
     with open(os.path.join(build_dir, "jax_dsa_kernels.h"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

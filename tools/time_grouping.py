@@ -4,8 +4,9 @@ against the kernel, on the benchmark's H = 16 problem (T = S = 4096, window 128 
 
     JAX_DSA_BWD_IMPL=wgg4 python tools/time_grouping.py
 
-Prints, median over replays (examples/benchmark.py's timer): the union alone
-(jax_dsa.grouping.group_lists + pack_entries), the kernel alone on precomputed packed lists
+Prints, median over replays (examples/benchmark.py's timer): the union alone, by XLA
+(jax_dsa.grouping.group_lists + pack_entries) and, when the library has it, by its own kernel
+(_native.group_union, which _core then uses), the kernel alone on precomputed packed lists
 (the FFI call of _core._grouped_kernel_backward), and the whole backward (vjp, as the
 benchmark times it), plus how many 64-row blocks the union has against the plain lists.
 """
@@ -40,6 +41,13 @@ def main():
   union_jit = jax.jit(union)
   packed, length = union_jit(idx, topk_length)
   t_union = benchmark.time_call(union_jit, (idx, topk_length), 5, 3)
+  union_kernel = ""
+  if _native.has_group_union():
+    kernel_union = jax.jit(lambda i, l: _native.group_union(i, l, s_rows, GROUP))
+    same = all(bool(jnp.array_equal(a, b))
+               for a, b in zip(kernel_union(idx, topk_length), (packed, length)))
+    t_ku = benchmark.time_call(kernel_union, (idx, topk_length), 5, 3)
+    union_kernel = f", union (kernel) {t_ku * 1e6:.0f} us (identical: {same})"
 
   fwd, bwd_args = benchmark.make_fn("cute", "bwd")
   vjp_fn, cot = bwd_args(q, kv, idx, sink)
@@ -61,7 +69,7 @@ def main():
   t_kernel = benchmark.time_call(kernel_jit, (q, kv, packed, length, lse, do, o, coef), 5, 3)
   blocks_union = int(np.sum(-(-np.asarray(length) // 64)))
   blocks_plain = b * t * (-(-k // 64))  # ceil(K / 64) blocks per token
-  print(f"H={H} K={k} T=S={t}: union (XLA) {t_union * 1e6:.0f} us, grouped kernel alone "
+  print(f"H={H} K={k} T=S={t}: union (XLA) {t_union * 1e6:.0f} us{union_kernel}, grouped kernel alone "
         f"{t_kernel * 1e6:.0f} us, whole backward {t_total * 1e6:.0f} us; "
         f"union blocks {blocks_union} (of {GROUP} tokens each) vs {blocks_plain} plain")
 

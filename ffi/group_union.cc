@@ -1,0 +1,157 @@
+// XLA FFI handler: the union of the index lists of G consecutive tokens, for the experimental
+// grouped backward (jax_dsa/kernels/sm90/group_union.py, exports jax_dsa_groupunion_g<G>,
+// built with tools/build_kernels.py --experimental; "jax_dsa_kernels.h" lists them in
+// JAX_DSA_UNION_SPECS).
+//
+//   args:  idx [B, T, K] int32, topk_length [B, T] int32
+//   attrs: num_kv_rows (int64: S, entries outside [0, S) are not used), group (int32: G)
+//   rets:  packed [B, T / G, G * K] int32 (row | membership bits << 23 per union entry, -1 after
+//          the union's length; the entries of jax_dsa.grouping.pack_entries(group_lists(...))
+//          in another order), length [B, T / G] int32
+
+#include "common.h"  // first: defines the loaders' error hook
+
+#include <mutex>
+#include <string>
+
+#include "jax_dsa_kernels.h"  // generated: includes every exported header
+
+#ifndef JAX_DSA_UNION_SPECS
+#define JAX_DSA_UNION_SPECS(X)
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace jax_dsa {
+namespace {
+
+constexpr int64_t kUnionCapacity = 6144;  // group_union.CAPACITY: G * K entries per hash table
+constexpr int64_t kMemberShift = 23;
+
+struct UnionArgs {
+  void *idx, *len, *out, *length;
+  int64_t n_idx, n_tok, n_out, n_groups;
+  int32_t K, S;
+};
+
+#define JAX_DSA_UNION_SPEC(PREFIX)                                                      \
+  struct Spec_##PREFIX {                                                                \
+    static PREFIX##_Kernel_Module_t& module() {                                         \
+      static PREFIX##_Kernel_Module_t m;                                                \
+      return m;                                                                         \
+    }                                                                                   \
+    static void load() { PREFIX##_Kernel_Module_Load(&module()); }                      \
+    static int32_t launch(const UnionArgs& a, cudaStream_t s) {                         \
+      PREFIX##_Tensor_mIdx_t idx{a.idx, {a.n_idx}};                                     \
+      PREFIX##_Tensor_mLen_t len{a.len, {a.n_tok}};                                     \
+      PREFIX##_Tensor_mOut_t out{a.out, {a.n_out}};                                     \
+      PREFIX##_Tensor_mLength_t length{a.length, {a.n_groups}};                         \
+      return cute_dsl_##PREFIX##_wrapper(&module(), &idx, &len, &out, &length,          \
+                                         static_cast<int32_t>(a.n_groups), a.K, a.S, s);\
+    }                                                                                   \
+  };
+JAX_DSA_UNION_SPECS(JAX_DSA_UNION_SPEC)
+#undef JAX_DSA_UNION_SPEC
+
+using UnionFn = int32_t (*)(const UnionArgs&, cudaStream_t);
+
+std::once_flag g_union_load_once;
+cudaError_t g_union_load_status = cudaSuccess;
+
+cudaError_t LoadAllUnion() {
+  std::call_once(g_union_load_once, [] {
+    int prev = -1;
+    bool have_prev = cudaGetDevice(&prev) == cudaSuccess;
+#define JAX_DSA_UNION_LOAD(PREFIX) Spec_##PREFIX::load();
+    JAX_DSA_UNION_SPECS(JAX_DSA_UNION_LOAD)
+#undef JAX_DSA_UNION_LOAD
+    if (have_prev) cudaSetDevice(prev);
+    g_union_load_status = LoadError();
+    cudaGetLastError();
+  });
+  return g_union_load_status;
+}
+
+UnionFn FindUnion(int32_t group) {
+  const std::string name = "jax_dsa_groupunion_g" + std::to_string(group);
+#define JAX_DSA_UNION_MATCH(PREFIX) \
+  if (name == #PREFIX) return &Spec_##PREFIX::launch;
+  JAX_DSA_UNION_SPECS(JAX_DSA_UNION_MATCH)
+#undef JAX_DSA_UNION_MATCH
+  (void)name;
+  return nullptr;
+}
+
+ffi::Error GroupUnion(cudaStream_t stream, int32_t device, ffi::AnyBuffer idx,
+                      ffi::AnyBuffer topk_length, int64_t num_kv_rows, int32_t group,
+                      ffi::Result<ffi::AnyBuffer> packed, ffi::Result<ffi::AnyBuffer> length) {
+  auto err = [](const std::string& m) {
+    return ffi::Error::InvalidArgument("jax_dsa group_union: " + m);
+  };
+  auto id = idx.dimensions(), ld = topk_length.dimensions();
+  if (idx.element_type() != ffi::DataType::S32 || id.size() != 3)
+    return err("idx must be int32 [B, T, K], got " + Dims(id));
+  const int64_t B = id[0], T = id[1], K = id[2];
+  if (topk_length.element_type() != ffi::DataType::S32 || !HasDims(ld, {B, T}))
+    return err("topk_length must be int32 [B, T], got " + Dims(ld));
+  if (group < 1 || T % group != 0)
+    return err("T (" + std::to_string(T) + ") must be a multiple of group (" +
+               std::to_string(group) + ")");
+  if (K < 1 || group * K > kUnionCapacity)
+    return err("group * K must be in 1.." + std::to_string(kUnionCapacity) + ", got " +
+               std::to_string(group * K));
+  if (num_kv_rows < 1 || num_kv_rows >= (int64_t{1} << kMemberShift))
+    return err("num_kv_rows must be in 1..2^23 - 1, got " + std::to_string(num_kv_rows));
+  const int64_t n = T / group;
+  if (packed->element_type() != ffi::DataType::S32 || !HasDims(packed->dimensions(), {B, n, group * K}))
+    return err("packed must be int32 [B, T / G, G * K], got " + Dims(packed->dimensions()));
+  if (length->element_type() != ffi::DataType::S32 || !HasDims(length->dimensions(), {B, n}))
+    return err("length must be int32 [B, T / G], got " + Dims(length->dimensions()));
+  if (B * n > INT32_MAX) return err("B * T / G must be < 2^31");
+  UnionFn launch = FindUnion(group);
+  if (launch == nullptr)
+    return ffi::Error::Internal("jax_dsa group_union: no kernel jax_dsa_groupunion_g" +
+                                std::to_string(group) +
+                                " was built (tools/build_kernels.py --experimental)");
+  DeviceGuard guard(device);
+  if (!guard.ok()) return ffi::Error::Internal("jax_dsa group_union: cudaSetDevice failed");
+  cudaError_t le = LoadAllUnion();
+  if (le != cudaSuccess)
+    return ffi::Error::Internal(std::string("jax_dsa group_union: loading the kernel failed: ") +
+                                cudaGetErrorString(le));
+  if (B * n == 0) return ffi::Error::Success();
+  UnionArgs a{idx.untyped_data(), topk_length.untyped_data(), packed->untyped_data(),
+              length->untyped_data(), B * T * K, B * T, B * n * group * K, B * n,
+              static_cast<int32_t>(K), static_cast<int32_t>(num_kv_rows)};
+  return LaunchStatus("group_union", launch(a, stream));
+}
+
+}  // namespace
+}  // namespace jax_dsa
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaGroupUnionSm90, jax_dsa::GroupUnion,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // idx
+                                  .Arg<ffi::AnyBuffer>()  // topk_length
+                                  .Attr<int64_t>("num_kv_rows")
+                                  .Attr<int32_t>("group")
+                                  .Ret<ffi::AnyBuffer>()  // packed
+                                  .Ret<ffi::AnyBuffer>(),  // length
+                              {ffi::Traits::kCmdBufferCompatible});
+
+// Loads the union kernel modules now (on all devices), outside any CUDA graph capture.
+// Returns 0 or a cudaError_t code.
+extern "C" __attribute__((visibility("default"))) int JaxDsaGroupUnionInit() {
+  return static_cast<int>(jax_dsa::LoadAllUnion());
+}
+
+// Number of union kernels built into this library (0 without --experimental).
+extern "C" __attribute__((visibility("default"))) int JaxDsaGroupUnionNumKernels() {
+  int n = 0;
+#define JAX_DSA_UNION_COUNT(PREFIX) ++n;
+  JAX_DSA_UNION_SPECS(JAX_DSA_UNION_COUNT)
+#undef JAX_DSA_UNION_COUNT
+  return n;
+}
