@@ -96,22 +96,16 @@ def _ensure_modules_loaded(lib):
         return
     with _lock:
         if not _modules_loaded:
-            lib.JaxDsaInit.restype = ctypes.c_int
-            rc = lib.JaxDsaInit()
-            if rc != 0:
-                raise RuntimeError(f"jax_dsa: loading the kernel modules failed (cudaError {rc})")
-            if hasattr(lib, "JaxDsaBwdInit"):
-                lib.JaxDsaBwdInit.restype = ctypes.c_int
-                rc = lib.JaxDsaBwdInit()
+            # (the forward's loader always exists; the others only in libraries built with them)
+            for init, what in (("JaxDsaInit", "kernel"), ("JaxDsaBwdInit", "backward kernel"),
+                               ("JaxDsaGroupUnionInit", "list-union kernel")):
+                if init != "JaxDsaInit" and not hasattr(lib, init):
+                    continue
+                fn = getattr(lib, init)
+                fn.restype = ctypes.c_int
+                rc = fn()
                 if rc != 0:
-                    raise RuntimeError(
-                        f"jax_dsa: loading the backward kernel modules failed (cudaError {rc})")
-            if hasattr(lib, "JaxDsaGroupUnionInit"):
-                lib.JaxDsaGroupUnionInit.restype = ctypes.c_int
-                rc = lib.JaxDsaGroupUnionInit()
-                if rc != 0:
-                    raise RuntimeError(
-                        f"jax_dsa: loading the list-union kernel modules failed (cudaError {rc})")
+                    raise RuntimeError(f"jax_dsa: loading the {what} modules failed (cudaError {rc})")
             _modules_loaded = True
 
 
