@@ -58,13 +58,17 @@ def _grads(p, dtype, impl, w_o, w_lse, deterministic=False):
   return q, kv, fn(q, kv, sink)
 
 
-# For the experimental grouped backward (JAX_DSA_BWD_IMPL=wgg4: H = 16, T a multiple of 4):
-# tokens whose lists overlap (K close to S), duplicates, invalid entries, partial lengths.
-GROUPED_CASES = [
-    (1, 16, 16, 512, 4096, 640, True, "partial"),
-    (2, 8, 16, 576, 60, 48, True, "partial"),
-    (1, 12, 16, 512, 100, 640, False, "none"),
-]
+# For the experimental grouped backward (JAX_DSA_BWD_IMPL=wgg<G>: H = 64 / G, T a multiple of
+# G): tokens whose lists overlap (K close to S), duplicates, invalid entries, partial lengths.
+GROUPED_CASES = {
+    4: [(1, 16, 16, 512, 4096, 640, True, "partial"),
+        (2, 8, 16, 576, 60, 48, True, "partial"),
+        (1, 12, 16, 512, 100, 640, False, "none")],
+    8: [(1, 16, 8, 512, 4096, 640, True, "partial"),
+        (2, 8, 8, 576, 60, 48, True, "partial"),
+        (1, 24, 8, 512, 100, 640, False, "none")],
+}
+_GROUP = _core._experimental_bwd_group()
 
 
 def _case_id(c):
@@ -76,9 +80,9 @@ def test_backward_kernel_matches_oracle_and_reference(case):
   _check_kernel_gradients(case)
 
 
-@pytest.mark.skipif(_core._experimental_bwd_group() != 4,
-                    reason="the grouped backward runs only with JAX_DSA_BWD_IMPL=wgg4")
-@pytest.mark.parametrize("case", GROUPED_CASES, ids=_case_id)
+@pytest.mark.skipif(_GROUP not in GROUPED_CASES,
+                    reason="the grouped backward runs only with JAX_DSA_BWD_IMPL=wgg4 or wgg8")
+@pytest.mark.parametrize("case", GROUPED_CASES.get(_GROUP, GROUPED_CASES[4]), ids=_case_id)
 def test_grouped_backward_matches_oracle_and_reference(case):
   _check_kernel_gradients(case)
 
