@@ -134,19 +134,22 @@ cudaError_t LoadAllBwd() {
 
 // Backward variant: JAX_DSA_BWD_IMPL (read once) = "wgmma" (sparse_mla_bwd_wgmma.py, the
 // default) or the tag of a candidate built with tools/build_kernels.py --experimental. Export
-// prefix: jax_dsa_bwd<tag>[det]_<dtype>_d<Dqk> with tag "wg" for wgmma.
+// prefix: jax_dsa_bwd<tag>[det]_<dtype>_d<Dqk> with tag "wg" for wgmma. The grouped variants
+// ("wgg<G>") are not picked here: the grouped handler takes them per call by its `group`
+// attribute (jax_dsa._core decides which calls to group), and every other call keeps "wg".
 std::string BwdTag() {
   static const std::string tag = [] {
     const char* e = std::getenv("JAX_DSA_BWD_IMPL");
     const std::string impl = e ? e : "";
-    if (impl.empty() || impl == "default" || impl == "wgmma") return std::string("wg");
+    if (impl.empty() || impl == "default" || impl == "wgmma" || impl.rfind("wgg", 0) == 0)
+      return std::string("wg");
     return impl;
   }();
   return tag;
 }
 
-LaunchFn FindBwd(bool deterministic, bool bf16, int64_t d_qk) {
-  const std::string name = "jax_dsa_bwd" + BwdTag() + (deterministic ? "det_" : "_") +
+LaunchFn FindBwd(bool deterministic, bool bf16, int64_t d_qk, const std::string& tag) {
+  const std::string name = "jax_dsa_bwd" + tag + (deterministic ? "det_" : "_") +
                            (bf16 ? "bf16" : "f16") + "_d" + std::to_string(d_qk);
 #define JAX_DSA_BWD_MATCH(PREFIX) \
   if (name == #PREFIX) return &Spec_##PREFIX::launch;
@@ -241,25 +244,62 @@ ffi::Error Prepare(const char* op, cudaStream_t stream, ffi::Result<ffi::AnyBuff
   return ffi::Error::Success();
 }
 
-ffi::Error SparseMlaBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
-                        ffi::AnyBuffer kv, ffi::AnyBuffer idx, ffi::AnyBuffer topk_length,
-                        ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer o,
-                        ffi::AnyBuffer coef, float scale, ffi::Result<ffi::AnyBuffer> dq,
-                        ffi::Result<ffi::AnyBuffer> dkv, ffi::Result<ffi::AnyBuffer> delta) {
-  const char* op = "sparse_mla_bwd";
+// The atomic backward with the kernel variant `tag` (shared by the plain and grouped handlers).
+ffi::Error RunAtomicBwd(const char* op, const std::string& tag, cudaStream_t stream,
+                        int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer idx,
+                        ffi::AnyBuffer topk_length, ffi::AnyBuffer lse, ffi::AnyBuffer dout,
+                        ffi::AnyBuffer o, ffi::AnyBuffer coef, float scale,
+                        ffi::Result<ffi::AnyBuffer>& dq, ffi::Result<ffi::AnyBuffer>& dkv,
+                        ffi::Result<ffi::AnyBuffer>& delta) {
   Extents x{};
   BwdArgs a;
   std::string problem =
       CheckBwd(q, kv, idx, topk_length, lse, dout, o, coef, scale, dq, dkv, delta, &x, &a);
   if (!problem.empty()) return ffi::Error::InvalidArgument(std::string("jax_dsa ") + op + ": " + problem);
-  LaunchFn launch = FindBwd(false, q.element_type() == ffi::DataType::BF16, x.D);
+  LaunchFn launch = FindBwd(false, q.element_type() == ffi::DataType::BF16, x.D, tag);
   if (launch == nullptr)
-    return ffi::Error::Internal("jax_dsa sparse_mla_bwd: no kernel jax_dsa_bwd was built for this dtype/Dqk");
+    return ffi::Error::Internal(std::string("jax_dsa ") + op + ": no kernel jax_dsa_bwd" + tag +
+                                " was built for this dtype/Dqk");
   DeviceGuard guard(device);
-  if (!guard.ok()) return ffi::Error::Internal("jax_dsa sparse_mla_bwd: cudaSetDevice failed");
+  if (!guard.ok()) return ffi::Error::Internal(std::string("jax_dsa ") + op + ": cudaSetDevice failed");
   if (ffi::Error e = Prepare(op, stream, dkv); e.failure()) return e;
   if (x.B == 0 || x.T == 0) return ffi::Error::Success();
   return LaunchStatus(op, launch(a, stream));
+}
+
+ffi::Error SparseMlaBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                        ffi::AnyBuffer kv, ffi::AnyBuffer idx, ffi::AnyBuffer topk_length,
+                        ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer o,
+                        ffi::AnyBuffer coef, float scale, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::Result<ffi::AnyBuffer> dkv, ffi::Result<ffi::AnyBuffer> delta) {
+  return RunAtomicBwd("sparse_mla_bwd", BwdTag(), stream, device, q, kv, idx, topk_length, lse,
+                      dout, o, coef, scale, dq, dkv, delta);
+}
+
+// The grouped backward (experimental exports jax_dsa_bwdwgg<G>_*): the caller (jax_dsa._core)
+// views G consecutive tokens of 64 / G heads as one token of 64 rows (q, do, o, lse, coef, dq,
+// delta as [B, T / G, 64, ...]) and passes the union of their lists with membership bits from
+// bit 23 up (jax_dsa.grouping); same buffers as SparseMlaBwd otherwise.
+ffi::Error SparseMlaBwdGrouped(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                               ffi::AnyBuffer kv, ffi::AnyBuffer idx,
+                               ffi::AnyBuffer topk_length, ffi::AnyBuffer lse,
+                               ffi::AnyBuffer dout, ffi::AnyBuffer o, ffi::AnyBuffer coef,
+                               float scale, int32_t group, ffi::Result<ffi::AnyBuffer> dq,
+                               ffi::Result<ffi::AnyBuffer> dkv,
+                               ffi::Result<ffi::AnyBuffer> delta) {
+  const char* op = "sparse_mla_bwd(grouped)";
+  auto qd = q.dimensions(), kd = kv.dimensions();
+  if (group != 2 && group != 4 && group != 8)
+    return ffi::Error::InvalidArgument("jax_dsa sparse_mla_bwd(grouped): group must be 2, 4 or 8, got " +
+                                       std::to_string(group));
+  if (qd.size() != 4 || qd[2] != 64)
+    return ffi::Error::InvalidArgument(
+        "jax_dsa sparse_mla_bwd(grouped): q must be viewed as [B, T / G, 64, Dqk], got " + Dims(qd));
+  if (kd.size() == 3 && kd[1] >= (int64_t{1} << 23))
+    return ffi::Error::InvalidArgument(
+        "jax_dsa sparse_mla_bwd(grouped): S must be < 2^23 (membership bits from bit 23)");
+  return RunAtomicBwd(op, "wgg" + std::to_string(group), stream, device, q, kv, idx,
+                      topk_length, lse, dout, o, coef, scale, dq, dkv, delta);
 }
 
 ffi::Error SparseMlaBwdDeterministic(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
@@ -295,7 +335,7 @@ ffi::Error SparseMlaBwdDeterministic(cudaStream_t stream, int32_t device, ffi::A
   }
   if (chunk * x.K > INT32_MAX) return err("chunk * K must be < 2^31");
   const bool bf16 = q.element_type() == ffi::DataType::BF16;
-  LaunchFn launch = FindBwd(true, bf16, x.D);
+  LaunchFn launch = FindBwd(true, bf16, x.D, BwdTag());
   ReduceFn reduce = FindReduce(x.D);
   if (launch == nullptr || reduce == nullptr)
     return ffi::Error::Internal(std::string("jax_dsa ") + op +
@@ -348,6 +388,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaSparseMlaBwdSm90, jax_dsa::SparseMlaBwd,
                                   .Ret<ffi::AnyBuffer>()  // dq
                                   .Ret<ffi::AnyBuffer>()  // dkv
                                   .Ret<ffi::AnyBuffer>(),  // delta
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaSparseMlaBwdGroupedSm90, jax_dsa::SparseMlaBwdGrouped,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // q (viewed)
+                                  .Arg<ffi::AnyBuffer>()  // kv
+                                  .Arg<ffi::AnyBuffer>()  // union entries
+                                  .Arg<ffi::AnyBuffer>()  // union lengths
+                                  .Arg<ffi::AnyBuffer>()  // lse (viewed)
+                                  .Arg<ffi::AnyBuffer>()  // do (viewed)
+                                  .Arg<ffi::AnyBuffer>()  // o (viewed)
+                                  .Arg<ffi::AnyBuffer>()  // coef (viewed)
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("group")
+                                  .Ret<ffi::AnyBuffer>()  // dq (viewed)
+                                  .Ret<ffi::AnyBuffer>()  // dkv
+                                  .Ret<ffi::AnyBuffer>(),  // delta (viewed)
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaSparseMlaBwdDeterministicSm90,

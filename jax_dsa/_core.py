@@ -35,10 +35,20 @@ def _local_forward(q, kv, idx, topk_length, sink, *, scale, d_v, impl):
 
 @functools.lru_cache(maxsize=None)
 def _experimental_bwd_group() -> int:
-  """G of the experimental grouped backward (JAX_DSA_BWD_IMPL=wgg<G>, read once, as the
-  library reads it), else 1."""
+  """G of the experimental grouped backward (JAX_DSA_BWD_IMPL=wgg<G>, read once), else 1. The
+  calls it can serve (_grouping_problem) then run grouped; the others run the default kernel."""
   tag = os.environ.get("JAX_DSA_BWD_IMPL", "")
   return int(tag[3:]) if tag.startswith("wgg") and tag[3:].isdigit() else 1
+
+
+def _grouping_problem(q_shape, s_rows: int, group: int, deterministic: bool) -> str:
+  """Why a backward call cannot run grouped by `group` tokens ("" if it can)."""
+  _, t, h, _ = q_shape
+  if deterministic or h * group != 64 or t % group or s_rows >= 1 << grouping.MEMBER_SHIFT:
+    return (f"the experimental grouped backward (JAX_DSA_BWD_IMPL=wgg{group}) needs H * {group} = "
+            f"64, T a multiple of {group}, S < 2^{grouping.MEMBER_SHIFT} and deterministic=False; "
+            f"got H={h}, T={t}, S={s_rows}, deterministic={deterministic}")
+  return ""
 
 
 def _kernel_backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale, deterministic):
@@ -48,7 +58,7 @@ def _kernel_backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale, 
   # dS_j = p~_j * (c * dP_j - (c * delta - dlse)): the kernel computes delta and needs c, dlse.
   coef = jnp.stack([c, dlse], axis=-1)
   group = _experimental_bwd_group()
-  if group > 1:
+  if group > 1 and not _grouping_problem(q.shape, kv.shape[1], group, deterministic):
     dq, dkv, delta = _grouped_kernel_backward(q, kv, idx, topk_length, lse, do, o, coef,
                                               scale=scale, deterministic=deterministic,
                                               group=group)
@@ -66,11 +76,9 @@ def _grouped_kernel_backward(q, kv, idx, topk_length, lse, do, o, coef, *, scale
   from jax_dsa import _native
   b, t, h, _ = q.shape
   s_rows = kv.shape[1]
-  if deterministic or h * group != 64 or t % group or s_rows >= 1 << grouping.MEMBER_SHIFT:
-    raise NotImplementedError(
-        f"the experimental grouped backward (JAX_DSA_BWD_IMPL=wgg{group}) needs H * {group} = "
-        f"64, T a multiple of {group}, S < 2^{grouping.MEMBER_SHIFT} and deterministic=False; "
-        f"got H={h}, T={t}, S={s_rows}, deterministic={deterministic}")
+  problem = _grouping_problem(q.shape, s_rows, group, deterministic)
+  if problem:
+    raise NotImplementedError(problem)
   # The union by XLA: 0.40 ms at the benchmark's H = 16 shape. The list-union kernel
   # (_native.group_union, built with --experimental; its sorting first version was correct but
   # took 0.48 ms, the hash-table version is not measured yet, docs/performance.md) is used here
@@ -83,7 +91,7 @@ def _grouped_kernel_backward(q, kv, idx, topk_length, lse, do, o, coef, *, scale
     return x.reshape(b, n, group * h, *x.shape[3:])
 
   dq, dkv, delta = _native.sparse_mla_bwd(view(q), kv, entries, length, view(lse), view(do),
-                                          view(o), view(coef), scale=scale)
+                                          view(o), view(coef), scale=scale, group=group)
   return dq.reshape(q.shape), dkv, delta.reshape(b, t, h)
 
 

@@ -20,6 +20,7 @@ LIB_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib", "lib
 FWD_TARGET = "jax_dsa_sparse_mla_fwd_sm90"
 BWD_TARGET = "jax_dsa_sparse_mla_bwd_sm90"
 BWD_DET_TARGET = "jax_dsa_sparse_mla_bwd_deterministic_sm90"
+BWD_GROUPED_TARGET = "jax_dsa_sparse_mla_bwd_grouped_sm90"
 UNION_TARGET = "jax_dsa_group_union_sm90"
 D_V = 512
 
@@ -75,6 +76,11 @@ def load():
                 jax.ffi.register_ffi_target(
                     BWD_DET_TARGET,
                     jax.ffi.pycapsule(lib.JaxDsaSparseMlaBwdDeterministicSm90),
+                    platform="CUDA",
+                )
+            if hasattr(lib, "JaxDsaSparseMlaBwdGroupedSm90"):
+                jax.ffi.register_ffi_target(
+                    BWD_GROUPED_TARGET, jax.ffi.pycapsule(lib.JaxDsaSparseMlaBwdGroupedSm90),
                     platform="CUDA",
                 )
             if hasattr(lib, "JaxDsaGroupUnionSm90"):
@@ -156,21 +162,24 @@ def has_backward(deterministic: bool = False) -> bool:
         return False
 
 
-def sparse_mla_bwd(q, kv, idx, topk_length, lse, do, o, coef, scale):
+def sparse_mla_bwd(q, kv, idx, topk_length, lse, do, o, coef, scale, group=1):
     """Backward on the CUDA kernels: (dq [B, T, H, Dqk] q.dtype, dkv [B, S, Dqk] float32,
     delta [B, T, H] float32 = rowsum(do * o)).
 
     lse [B, T, H] float32 and o [B, T, H, 512] (the forward's; lse -inf on dead rows),
     do [B, T, H, 512], coef [B, T, H, 2] float32 = (c, dlse) per row (see jax_dsa._core). dkv is
     the fp32 accumulator (zero-filled by the handler); the caller casts it.
+    group > 1: the experimental grouped kernel (jax_dsa._core._grouped_kernel_backward: H = 64
+    rows of `group` tokens, idx = the union's packed entries, topk_length = its lengths).
     """
     lib = load()
     if any(d.platform == "gpu" for d in jax.devices()):
         _ensure_modules_loaded(lib)
     B, T, H, D = q.shape
     S = kv.shape[1]
+    attrs = {} if group == 1 else {"group": np.int32(group)}
     call = jax.ffi.ffi_call(
-        BWD_TARGET,
+        BWD_TARGET if group == 1 else BWD_GROUPED_TARGET,
         (
             jax.ShapeDtypeStruct((B, T, H, D), q.dtype),
             jax.ShapeDtypeStruct((B, S, D), jnp.float32),
@@ -188,6 +197,7 @@ def sparse_mla_bwd(q, kv, idx, topk_length, lse, do, o, coef, scale):
         o.astype(q.dtype),
         jnp.asarray(coef, jnp.float32),
         scale=np.float32(scale),
+        **attrs,
     )
 
 

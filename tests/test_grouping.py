@@ -123,10 +123,10 @@ def test_attention_over_the_union_matches_the_reference(h, group):
 
 
 @pytest.mark.parametrize("h,t,deterministic", [(8, 8, False), (16, 6, False), (16, 8, True)])
-def test_grouped_backward_refuses_what_it_cannot_run(h, t, deterministic):
-  """Under JAX_DSA_BWD_IMPL=wgg4 every backward call gets the grouped kernel, so a call it
-  cannot serve must fail loudly instead of running ungrouped lists through it."""
-  from jax_dsa import _core
+def test_grouped_backward_refuses_what_it_cannot_run(h, t, deterministic, monkeypatch):
+  """The grouped path refuses a call it cannot serve; under JAX_DSA_BWD_IMPL=wgg4 such a call
+  runs the plain kernel instead (the library picks the grouped kernel per call)."""
+  from jax_dsa import _core, _native
   q = jnp.zeros((1, t, h, 8), jnp.bfloat16)
   kv = jnp.zeros((1, 32, 8), jnp.bfloat16)
   idx = jnp.zeros((1, t, 4), jnp.int32)
@@ -135,12 +135,27 @@ def test_grouped_backward_refuses_what_it_cannot_run(h, t, deterministic):
   with pytest.raises(NotImplementedError, match="grouped backward"):
     _core._grouped_kernel_backward(q, kv, idx, tl, lse, q, q, jnp.stack([lse, lse], -1),
                                    scale=1.0, deterministic=deterministic, group=4)
+  calls = []
+
+  def plain_kernel(q, kv, idx, topk_length, lse, do, o, coef, scale, group=1):
+    calls.append(group)
+    return (jnp.zeros_like(q), jnp.zeros(kv.shape, jnp.float32),
+            jnp.zeros(q.shape[:3], jnp.float32))
+
+  monkeypatch.setattr(_core, "_experimental_bwd_group", lambda: 4)
+  monkeypatch.setattr(_native, "sparse_mla_bwd", plain_kernel, raising=False)
+  monkeypatch.setattr(_native, "sparse_mla_bwd_deterministic", plain_kernel, raising=False)
+  sink = jnp.zeros((h,), jnp.float32)
+  _core._kernel_backward(q, kv, idx, tl, sink, q, lse, q, lse, scale=1.0,
+                         deterministic=deterministic)
+  assert calls == [1]
 
 
-def _grouped_kernel_emulator(q, kv, entries, length, lse, do, o, coef, scale):
+def _grouped_kernel_emulator(q, kv, entries, length, lse, do, o, coef, scale, group):
   """What the grouped backward kernel (`group=4`, H' = 64 rows of 4 tokens x 16 heads)
   computes, in dense fp32: entry j of a group is row entry & (2^23 - 1), seen by head row i when
   bit 23 + i // 16 is set; the rest as _native.sparse_mla_bwd documents."""
+  assert group == 4
   b, n, rows_h, d = q.shape
   s_rows = kv.shape[1]
   u = entries.shape[2]

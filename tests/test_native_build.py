@@ -23,7 +23,8 @@ def test_library_loads_and_exports_handlers():
   lib = ctypes.CDLL(_native.LIB_PATH)
   for sym in ("JaxDsaSparseMlaFwdSm90", "JaxDsaInit", "JaxDsaSparseMlaBwdSm90",
               "JaxDsaSparseMlaBwdDeterministicSm90", "JaxDsaBwdInit", "JaxDsaBwdNumKernels",
-              "JaxDsaGroupUnionSm90", "JaxDsaGroupUnionInit", "JaxDsaGroupUnionNumKernels"):
+              "JaxDsaGroupUnionSm90", "JaxDsaGroupUnionInit", "JaxDsaGroupUnionNumKernels",
+              "JaxDsaSparseMlaBwdGroupedSm90"):
     assert getattr(lib, sym) is not None
   assert _native.has_backward() and _native.has_backward(deterministic=True)
 
