@@ -6,8 +6,8 @@ them: registers, spills, local memory and the SASS instructions that matter.
                                        [--out DIR] [--keep-sass] [--allow-spills]
 
 VARIANT is fwd:<tag> or bwd:<tag> with the tags of tools/build_kernels.py (fwd:ws2, fwd:ws,
-fwd:smallh2, fwd:smallh, fwd:simt, bwd:wg, and with --experimental any candidates), or reduce;
-default: every stable variant. Backward variants are checked in atomic and
+fwd:smallh2, fwd:smallh, fwd:simt, bwd:wg, and with --experimental any candidates), reduce, or
+union:<G> (the grouped backward's list-union kernel); default: every stable variant. Backward variants are checked in atomic and
 deterministic form.
 
 For each specialization (bf16/f16 x Dqk 512/576): compile for sm_90a keeping the cubin
@@ -104,6 +104,11 @@ def jobs(variants, experimental):
             from jax_dsa.kernels.sm90.sparse_mla_dkv_reduce import compile_dkv_reduce
             for d in (512, 576):
                 out.append((v, f"jax_dsa_dkvreduce_d{d}", lambda d=d: compile_dkv_reduce(d), False))
+            continue
+        if v.startswith("union:"):
+            from jax_dsa.kernels.sm90.group_union import compile_group_union
+            g = int(v.partition(":")[2])
+            out.append((v, f"jax_dsa_groupunion_g{g}", lambda g=g: compile_group_union(g), False))
             continue
         kind, _, tag = v.partition(":")
         if kind not in tables or tag not in tables[kind]:
