@@ -202,9 +202,6 @@ def sparse_mla_bwd(q, kv, idx, topk_length, lse, do, o, coef, scale, group=1):
 
 
 # ---------------------------------------------------------------- grouped backward's list union
-UNION_CAPACITY = 6144  # kernels/sm90/group_union.CAPACITY: group * K at most
-
-
 def has_group_union() -> bool:
     """True when the library was built with the list-union kernels (--experimental). Never
     raises."""
@@ -223,7 +220,8 @@ def group_union(idx, topk_length, num_kv_rows: int, group: int):
     """The union entries of jax_dsa.grouping.pack_entries(*group_lists(...)[:2]) (the same
     multiset per group, in another order) and the union lengths, by the CUDA kernel
     (ffi/group_union.cc): (packed [B, T / G, G * K] int32, length [B, T / G] int32).
-    Needs T % G == 0, G * K <= UNION_CAPACITY and num_kv_rows < 2^23 (the handler checks)."""
+    Needs T % G == 0, G * K <= group_union.CAPACITY (6144) and num_kv_rows < 2^23 (the handler
+    checks and says which)."""
     lib = load()
     if any(d.platform == "gpu" for d in jax.devices()):
         _ensure_modules_loaded(lib)
