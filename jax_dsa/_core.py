@@ -79,12 +79,11 @@ def _grouped_kernel_backward(q, kv, idx, topk_length, lse, do, o, coef, *, scale
   problem = _grouping_problem(q.shape, s_rows, group, deterministic)
   if problem:
     raise NotImplementedError(problem)
-  # The union by XLA: 0.40 ms at the benchmark's H = 16 shape. The list-union kernel
-  # (_native.group_union, built with --experimental; its sorting first version was correct but
-  # took 0.48 ms, the hash-table version is not measured yet, docs/performance.md) is used here
-  # once it is measured correct and faster.
-  rows, member, length = grouping.group_lists(idx, topk_length, s_rows, group)
-  entries = grouping.pack_entries(rows, member)
+  if _use_union_kernel(idx.shape[-1], group):
+    entries, length = _native.group_union(idx, topk_length, s_rows, group)
+  else:  # the union by XLA: 0.40 ms at the benchmark's H = 16 shape (docs/performance.md)
+    rows, member, length = grouping.group_lists(idx, topk_length, s_rows, group)
+    entries = grouping.pack_entries(rows, member)
   n = t // group
 
   def view(x):  # [B, T, H, ...] -> [B, T / group, group * H, ...] (rows stay contiguous)
@@ -93,6 +92,16 @@ def _grouped_kernel_backward(q, kv, idx, topk_length, lse, do, o, coef, *, scale
   dq, dkv, delta = _native.sparse_mla_bwd(view(q), kv, entries, length, view(lse), view(do),
                                           view(o), view(coef), scale=scale, group=group)
   return dq.reshape(q.shape), dkv, delta.reshape(b, t, h)
+
+
+def _use_union_kernel(k: int, group: int) -> bool:
+  """Whether the grouped backward takes its list union from the CUDA kernel
+  (_native.group_union, built with --experimental; G * K <= 6144) rather than from XLA
+  (jax_dsa.grouping). JAX_DSA_GROUP_UNION=xla forces XLA's, for comparison."""
+  from jax_dsa import _native
+  if os.environ.get("JAX_DSA_GROUP_UNION", "") == "xla" or group * k > 6144:
+    return False
+  return _native.has_group_union()
 
 
 def _local_backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale, d_v, impl,

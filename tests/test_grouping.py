@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_dsa
+from jax_dsa import grouping
 from jax_dsa.grouping import MEMBER_SHIFT, group_lists
 from cases import make_problem, rel_err
 
@@ -183,9 +184,23 @@ def _grouped_kernel_emulator(q, kv, entries, length, lse, do, o, coef, scale, gr
   return dq.astype(q.dtype), dkv, delta
 
 
-def test_grouped_backward_plumbing_matches_the_reference(monkeypatch):
+def _union_kernel_emulator(idx, topk_length, num_kv_rows, group):
+  """_native.group_union's contract without a GPU: the packed union entries and lengths, each
+  group's valid entries in another order (the kernel emits them in hash-slot order)."""
+  rows, member, length = grouping.group_lists(idx, topk_length, num_kv_rows, group)
+  packed = grouping.pack_entries(rows, member)
+  width = packed.shape[-1]
+  pos = jnp.arange(width, dtype=jnp.int32)
+  # Reverse the first `length` entries of each group; the -1 padding stays at the end.
+  src = jnp.where(pos < length[..., None], length[..., None] - 1 - pos, pos)
+  return jnp.take_along_axis(packed, src, axis=-1), length
+
+
+@pytest.mark.parametrize("union", ["xla", "kernel"])
+def test_grouped_backward_plumbing_matches_the_reference(monkeypatch, union):
   """_core's grouped path (views, packed entries, union lengths, delta and dsink) with the
-  kernel replaced by _grouped_kernel_emulator gives the reference backward's gradients."""
+  kernel replaced by _grouped_kernel_emulator, and the list union taken from XLA or from the
+  union kernel (emulated), gives the reference backward's gradients."""
   from jax_dsa import _core, _native, reference
   rng = np.random.default_rng(7)
   b, t, h, d, s, k = 2, 8, 16, 576, 40, 24
@@ -198,6 +213,8 @@ def test_grouped_backward_plumbing_matches_the_reference(monkeypatch):
   want = reference.backward(q, kv, idx, tl, sink, o, lse, do, dlse, scale=p.scale, d_v=512)
   monkeypatch.setattr(_core, "_experimental_bwd_group", lambda: 4)
   monkeypatch.setattr(_native, "sparse_mla_bwd", _grouped_kernel_emulator, raising=False)
+  monkeypatch.setattr(_native, "has_group_union", lambda: union == "kernel", raising=False)
+  monkeypatch.setattr(_native, "group_union", _union_kernel_emulator, raising=False)
   got = _core._kernel_backward(q, kv, idx, tl, sink, o, lse, do, dlse, scale=p.scale,
                                deterministic=False)
   for name, g, w in zip(("dq", "dkv", "dsink"), got, want):
