@@ -1,13 +1,13 @@
 #!/usr/bin/env python
-"""Where the grouped backward's time goes (experimental wgg4, H = 16): the XLA union of the lists
-against the kernel, on the benchmark's H = 16 problem (T = S = 4096, window 128 + 512 picks).
+"""Where the grouped backward's time goes (experimental wgg4 at H = 16, wgg8 at H = 8): the XLA
+union of the lists against the kernel, on the benchmark's problem at that H (T = S = 4096, window 128 + 512 picks).
 
-    JAX_DSA_BWD_IMPL=wgg4 python tools/time_grouping.py
+    JAX_DSA_BWD_IMPL=wgg4 python tools/time_grouping.py   (or wgg8)
 
 Prints, median over replays (examples/benchmark.py's timer): the union alone, by XLA
 (jax_dsa.grouping.group_lists + pack_entries) and, when the library has it, by its own kernel
-(_native.group_union, which _core then uses unless JAX_DSA_GROUP_UNION=xla), the kernel alone on precomputed packed lists
-(the FFI call of _core._grouped_kernel_backward), and the whole backward (vjp, as the
+(_native.group_union, which _core then uses unless JAX_DSA_GROUP_UNION=xla), the kernel alone
+on precomputed packed lists (the FFI call of _core._grouped_kernel_backward), and the whole backward (vjp, as the
 benchmark times it), plus how many 64-row blocks the union has against the plain lists.
 """
 import os
@@ -23,12 +23,14 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import benchmark  # noqa: E402
 from jax_dsa import _core, _native, grouping  # noqa: E402
 
-H, TOPK, GROUP = 16, 512, 4
+TOPK = 512
 
 
 def main():
-  if _core._experimental_bwd_group() != GROUP:
-    sys.exit(f"run with JAX_DSA_BWD_IMPL=wgg{GROUP}")
+  if _core._experimental_bwd_group() not in (4, 8):
+    sys.exit("run with JAX_DSA_BWD_IMPL=wgg4 (H = 16) or wgg8 (H = 8)")
+  GROUP = _core._experimental_bwd_group()
+  H = 64 // GROUP
   q, kv, idx, sink, _ = benchmark.make_inputs(H, TOPK, 4096)
   b, t, h, d = q.shape
   s_rows, k = kv.shape[1], idx.shape[-1]
