@@ -33,21 +33,49 @@ def _local_forward(q, kv, idx, topk_length, sink, *, scale, d_v, impl):
   return lax.platform_dependent(*args, cuda=kernel, default=ref)
 
 
+# G * K at most for the list-union kernel (jax_dsa/kernels/sm90/group_union.py CAPACITY; its
+# FFI handler checks it too).
+UNION_CAPACITY = 6144
+
+
 @functools.lru_cache(maxsize=None)
-def _experimental_bwd_group() -> int:
-  """G of the experimental grouped backward (JAX_DSA_BWD_IMPL=wgg<G>, read once), else 1. The
-  calls it can serve (_grouping_problem) then run grouped; the others run the default kernel."""
+def _forced_bwd_impl() -> str:
+  """JAX_DSA_BWD_IMPL, read once ("" when unset or "default")."""
   tag = os.environ.get("JAX_DSA_BWD_IMPL", "")
-  return int(tag[3:]) if tag.startswith("wgg") and tag[3:].isdigit() else 1
+  return "" if tag in ("default", "wgmma") else tag
+
+
+def _backward_group(q_shape, k: int, s_rows: int, deterministic: bool) -> int:
+  """How many consecutive tokens the atomic backward runs as one 64-row token (1: none).
+
+  By default G = 64 / H at H = 16 (G = 4) and H = 8 (G = 8): the tokens' index lists overlap
+  (the window), so the union carries fewer rows than the lists and the dkv atomics, the H <= 64
+  kernel's floor, shrink with it (docs/performance.md). Only calls the grouped kernel can serve
+  (_grouping_problem) whose union the list-union kernel computes (G * K <= UNION_CAPACITY) are
+  grouped; the others run the plain kernel. JAX_DSA_BWD_IMPL=wgg<G> groups every call it can
+  by G (the union by XLA beyond the union kernel); any other forced variant (e.g. "wg") never
+  groups."""
+  forced = _forced_bwd_impl()
+  if forced.startswith("wgg") and forced[3:].isdigit():
+    group = int(forced[3:])
+    return 1 if _grouping_problem(q_shape, s_rows, group, deterministic) else group
+  h = q_shape[2]
+  if forced or h not in (8, 16):
+    return 1
+  group = 64 // h
+  if _grouping_problem(q_shape, s_rows, group, deterministic) or group * k > UNION_CAPACITY:
+    return 1
+  from jax_dsa import _native
+  return group if _native.has_group_union() else 1  # the library builds both or neither
 
 
 def _grouping_problem(q_shape, s_rows: int, group: int, deterministic: bool) -> str:
   """Why a backward call cannot run grouped by `group` tokens ("" if it can)."""
   _, t, h, _ = q_shape
   if deterministic or h * group != 64 or t % group or s_rows >= 1 << grouping.MEMBER_SHIFT:
-    return (f"the experimental grouped backward (JAX_DSA_BWD_IMPL=wgg{group}) needs H * {group} = "
-            f"64, T a multiple of {group}, S < 2^{grouping.MEMBER_SHIFT} and deterministic=False; "
-            f"got H={h}, T={t}, S={s_rows}, deterministic={deterministic}")
+    return (f"the grouped backward (by {group} tokens) needs H * {group} = 64, T a multiple of "
+            f"{group}, S < 2^{grouping.MEMBER_SHIFT} and deterministic=False; got H={h}, T={t}, "
+            f"S={s_rows}, deterministic={deterministic}")
   return ""
 
 
@@ -57,8 +85,8 @@ def _kernel_backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale, 
   c, sink_share = reference.sink_split(sink[None, None, :], lse)
   # dS_j = p~_j * (c * dP_j - (c * delta - dlse)): the kernel computes delta and needs c, dlse.
   coef = jnp.stack([c, dlse], axis=-1)
-  group = _experimental_bwd_group()
-  if group > 1 and not _grouping_problem(q.shape, kv.shape[1], group, deterministic):
+  group = _backward_group(q.shape, idx.shape[-1], kv.shape[1], deterministic)
+  if group > 1:
     dq, dkv, delta = _grouped_kernel_backward(q, kv, idx, topk_length, lse, do, o, coef,
                                               scale=scale, deterministic=deterministic,
                                               group=group)
@@ -71,8 +99,8 @@ def _kernel_backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale, 
 
 def _grouped_kernel_backward(q, kv, idx, topk_length, lse, do, o, coef, *, scale, deterministic,
                              group):
-  """The experimental grouped backward kernel: `group` consecutive tokens of H heads run as one
-  64-row token over the union of their lists (jax_dsa.grouping). Only H * group == 64."""
+  """The grouped backward kernel: `group` consecutive tokens of H heads run as one 64-row token
+  over the union of their lists (jax_dsa.grouping). Only H * group == 64."""
   from jax_dsa import _native
   b, t, h, _ = q.shape
   s_rows = kv.shape[1]
@@ -81,7 +109,7 @@ def _grouped_kernel_backward(q, kv, idx, topk_length, lse, do, o, coef, *, scale
     raise NotImplementedError(problem)
   if _use_union_kernel(idx.shape[-1], group):
     entries, length = _native.group_union(idx, topk_length, s_rows, group)
-  else:  # the union by XLA: 0.40 ms at the benchmark's H = 16 shape (docs/performance.md)
+  else:
     rows, member, length = grouping.group_lists(idx, topk_length, s_rows, group)
     entries = grouping.pack_entries(rows, member)
   n = t // group
@@ -96,10 +124,10 @@ def _grouped_kernel_backward(q, kv, idx, topk_length, lse, do, o, coef, *, scale
 
 def _use_union_kernel(k: int, group: int) -> bool:
   """Whether the grouped backward takes its list union from the CUDA kernel
-  (_native.group_union, built with --experimental; G * K <= 6144) rather than from XLA
-  (jax_dsa.grouping). JAX_DSA_GROUP_UNION=xla forces XLA's, for comparison."""
+  (_native.group_union; G * K <= UNION_CAPACITY) rather than from XLA (jax_dsa.grouping, 0.4 ms
+  at the benchmark's H = 16 shape). JAX_DSA_GROUP_UNION=xla forces XLA's, for comparison."""
   from jax_dsa import _native
-  if os.environ.get("JAX_DSA_GROUP_UNION", "") == "xla" or group * k > 6144:
+  if os.environ.get("JAX_DSA_GROUP_UNION", "") == "xla" or group * k > UNION_CAPACITY:
     return False
   return _native.has_group_union()
 

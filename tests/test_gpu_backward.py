@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 CASES = [
     (1, 8, 1, 512, 300, 1, False, "none"),
     (3, 4, 8, 576, 500, 200, True, "partial"),
-    (1, 16, 16, 512, 4096, 640, True, "partial"),
+    (1, 18, 16, 512, 4096, 640, True, "partial"),  # T % 4 != 0: the plain kernel at H = 16
     (2, 4, 24, 576, 700, 63, False, "full"),
     (1, 8, 64, 576, 2000, 640, True, "partial"),
     (2, 4, 100, 512, 900, 1152, True, "none"),
@@ -58,8 +58,9 @@ def _grads(p, dtype, impl, w_o, w_lse, deterministic=False):
   return q, kv, fn(q, kv, sink)
 
 
-# For the experimental grouped backward (JAX_DSA_BWD_IMPL=wgg<G>: H = 64 / G, T a multiple of
-# G): tokens whose lists overlap (K close to S), duplicates, invalid entries, partial lengths.
+# The grouped backward (by default at H = 16 and H = 8, G = 64 / H tokens per 64-row token; T a
+# multiple of G): tokens whose lists overlap (K close to S), duplicates, invalid entries, partial
+# lengths. _core._backward_group must pick G for each (asserted), so these run grouped.
 GROUPED_CASES = {
     4: [(1, 16, 16, 512, 4096, 640, True, "partial"),
         (2, 8, 16, 576, 60, 48, True, "partial"),
@@ -68,7 +69,7 @@ GROUPED_CASES = {
         (2, 8, 8, 576, 60, 48, True, "partial"),
         (1, 24, 8, 512, 100, 640, False, "none")],
 }
-_GROUP = _core._experimental_bwd_group()
+_FORCED = _core._forced_bwd_impl()
 
 
 def _case_id(c):
@@ -80,10 +81,14 @@ def test_backward_kernel_matches_oracle_and_reference(case):
   _check_kernel_gradients(case)
 
 
-@pytest.mark.skipif(_GROUP not in GROUPED_CASES,
-                    reason="the grouped backward runs only with JAX_DSA_BWD_IMPL=wgg4 or wgg8")
-@pytest.mark.parametrize("case", GROUPED_CASES.get(_GROUP, GROUPED_CASES[4]), ids=_case_id)
+@pytest.mark.parametrize("case", [c for g in sorted(GROUPED_CASES) for c in GROUPED_CASES[g]],
+                         ids=_case_id)
 def test_grouped_backward_matches_oracle_and_reference(case):
+  _kernel_or_skip()
+  b, t, h, d, s, k = case[:6]
+  if _FORCED and _FORCED != f"wgg{64 // h}":
+    pytest.skip(f"JAX_DSA_BWD_IMPL={_FORCED} does not group H={h}")
+  assert _core._backward_group((b, t, h, d), k, s, False) == 64 // h, "not run grouped"
   _check_kernel_gradients(case)
 
 
@@ -106,19 +111,23 @@ def _check_kernel_gradients(case):
   np.testing.assert_array_equal(np.asarray(got[0], np.float32)[0, 0], 0.0)  # dead row
 
 
-@pytest.mark.parametrize("h,d", [(24, 576), (100, 512)], ids=["H24D576", "H100D512"])
+@pytest.mark.parametrize("h,d", [(24, 576), (100, 512), (16, 512)],
+                         ids=["H24D576", "H100D512", "H16D512"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_backward_never_writes_outside_valid_rows(deterministic, h, d, monkeypatch):
   """Batches 0 and 2 select nothing, batch 1 lists -1, -S, S, S + 7 next to valid rows: a write
   at an invalid row of batch 1 would land in batch 0's last or batch 2's first rows (flat
   layout), which must stay exactly zero; rows of batch 1 never listed must stay zero too.
   Deterministic: a workspace of 4 tokens at H=24, Dqk 576 (18 tokens in 5 chunks) and of 2 at
-  H=100, Dqk 512 (two head blocks, each adding to the same rows: 9 chunks)."""
+  H=100, Dqk 512 (two head blocks, each adding to the same rows: 9 chunks). H=16 runs 8 tokens
+  per batch, so the atomic backward runs grouped (4 tokens per union)."""
   _kernel_or_skip(deterministic)
   from jax_dsa import _native
   monkeypatch.setattr(_native, "DET_WORKSPACE_BYTES", 4 * 70 * 576 * 4)
   rng = np.random.default_rng(5)
-  b, t, s, k = 3, 6, 40, 70
+  b, t, s, k = 3, 8 if h == 16 else 6, 40, 70
+  if h == 16 and not deterministic and not _FORCED:
+    assert _core._backward_group((b, t, h, d), k, s, False) == 4, "not run grouped"
   p = make_problem(rng, b, t, h, d, s, k, sink=True, topk="full", dead_row=False)
   p.idx[1] = rng.integers(10, 30, (t, k))
   p.idx[1, :, ::3] = -1

@@ -6,6 +6,7 @@ its own token's entries) gives the reference's outputs and gradients, duplicates
 topk_length, dead rows and sinks included.
 """
 import collections
+import os
 
 import numpy as np
 import pytest
@@ -123,10 +124,53 @@ def test_attention_over_the_union_matches_the_reference(h, group):
     assert rel_err(g, r) < 1e-4, (name, rel_err(g, r))
 
 
+# (forced JAX_DSA_BWD_IMPL, H, T, K, S, deterministic, union kernel built) -> group
+BACKWARD_GROUP_CASES = [
+    ("", 16, 4096, 640, 4096, False, True, 4),
+    ("", 8, 4096, 640, 4096, False, True, 8),
+    ("", 8, 16, 768, 4096, False, True, 8),      # G * K = 6144: the union kernel's capacity
+    ("", 8, 16, 769, 4096, False, True, 1),      # beyond it: the plain kernel
+    ("", 16, 4096, 2048, 4096, False, True, 1),
+    ("", 16, 4098, 640, 4096, False, True, 1),   # T not a multiple of 4
+    ("", 16, 4096, 640, 4096, True, True, 1),    # deterministic
+    ("", 16, 4096, 640, 1 << 23, False, True, 1),  # S too large for the membership bits
+    ("", 16, 4096, 640, 4096, False, False, 1),  # library without the grouped kernels
+    ("", 32, 4096, 640, 4096, False, True, 1),
+    ("", 64, 4096, 640, 4096, False, True, 1),
+    ("", 4, 4096, 640, 4096, False, True, 1),
+    ("wg", 16, 4096, 640, 4096, False, True, 1),  # a forced plain variant never groups
+    ("wgk3", 8, 4096, 640, 4096, False, True, 1),
+    ("wgg4", 16, 4096, 2048, 4096, False, True, 4),  # forced: the union by XLA beyond 6144
+    ("wgg4", 8, 4096, 640, 4096, False, True, 1),  # forced, but H * G != 64
+]
+
+
+@pytest.mark.parametrize("case", BACKWARD_GROUP_CASES, ids=str)
+def test_backward_group_choice(case, monkeypatch):
+  """Which calls the backward runs grouped (_core._backward_group)."""
+  from jax_dsa import _core, _native
+  forced, h, t, k, s, deterministic, built, want = case
+  monkeypatch.setattr(_core, "_forced_bwd_impl", lambda: forced)
+  monkeypatch.setattr(_native, "has_group_union", lambda: built, raising=False)
+  assert _core._backward_group((1, t, h, 576), k, s, deterministic) == want
+
+
+def test_union_capacity_matches_the_kernel():
+  """_core.UNION_CAPACITY is the list-union kernel's CAPACITY (read from its source, which
+  needs no GPU and no nvidia-cutlass-dsl to read)."""
+  import re
+  from jax_dsa import _core
+  path = os.path.join(os.path.dirname(jax_dsa.__file__), "kernels", "sm90", "group_union.py")
+  with open(path) as f:
+    capacity = int(re.search(r"^CAPACITY = (\d+)", f.read(), re.M).group(1))
+  assert _core.UNION_CAPACITY == capacity
+
+
 @pytest.mark.parametrize("h,t,deterministic", [(8, 8, False), (16, 6, False), (16, 8, True)])
 def test_grouped_backward_refuses_what_it_cannot_run(h, t, deterministic, monkeypatch):
-  """The grouped path refuses a call it cannot serve; under JAX_DSA_BWD_IMPL=wgg4 such a call
-  runs the plain kernel instead (the library picks the grouped kernel per call)."""
+  """The grouped path refuses a call it cannot serve; under JAX_DSA_BWD_IMPL=wgg4 (and by
+  default) such a call runs the plain kernel instead (the library picks the grouped kernel per
+  call)."""
   from jax_dsa import _core, _native
   q = jnp.zeros((1, t, h, 8), jnp.bfloat16)
   kv = jnp.zeros((1, 32, 8), jnp.bfloat16)
@@ -143,7 +187,7 @@ def test_grouped_backward_refuses_what_it_cannot_run(h, t, deterministic, monkey
     return (jnp.zeros_like(q), jnp.zeros(kv.shape, jnp.float32),
             jnp.zeros(q.shape[:3], jnp.float32))
 
-  monkeypatch.setattr(_core, "_experimental_bwd_group", lambda: 4)
+  monkeypatch.setattr(_core, "_forced_bwd_impl", lambda: "wgg4")
   monkeypatch.setattr(_native, "sparse_mla_bwd", plain_kernel, raising=False)
   monkeypatch.setattr(_native, "sparse_mla_bwd_deterministic", plain_kernel, raising=False)
   sink = jnp.zeros((h,), jnp.float32)
@@ -211,7 +255,8 @@ def test_grouped_backward_plumbing_matches_the_reference(monkeypatch, union):
   do = jnp.asarray(rng.standard_normal(o.shape), jnp.float32)
   dlse = jnp.asarray(rng.standard_normal(lse.shape), jnp.float32)
   want = reference.backward(q, kv, idx, tl, sink, o, lse, do, dlse, scale=p.scale, d_v=512)
-  monkeypatch.setattr(_core, "_experimental_bwd_group", lambda: 4)
+  # The default groups (G = 64 / 16) when the union kernel is built; wgg4 forces it otherwise.
+  monkeypatch.setattr(_core, "_forced_bwd_impl", lambda: "" if union == "kernel" else "wgg4")
   monkeypatch.setattr(_native, "sparse_mla_bwd", _grouped_kernel_emulator, raising=False)
   monkeypatch.setattr(_native, "has_group_union", lambda: union == "kernel", raising=False)
   monkeypatch.setattr(_native, "group_union", _union_kernel_emulator, raising=False)

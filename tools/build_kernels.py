@@ -49,13 +49,26 @@ BWD_VARIANTS = {
 # (ws2q and wgt became the v11 defaults, wgk3 the v12 one; wga, wgk2, ws2u, ws2v and ws2uv
 # measured no faster: docs/performance.md.)
 EXPERIMENTAL_FWD = {}
-# wgg4: the grouped backward for H = 16 (4 tokens x 16 heads as one 64-row token over the union
-# of their lists, jax_dsa.grouping; JAX_DSA_BWD_IMPL=wgg4 also switches _core to that layout).
-# wgg8: the same for H = 8 (8 tokens). Each group size also gets its list-union kernel.
-EXPERIMENTAL_BWD = {
+EXPERIMENTAL_BWD = {}
+# The grouped backward (v13 default at H = 16 and 8; jax_dsa._core._backward_group): G tokens of
+# 64 / G heads run as one 64-row token over the union of their lists (jax_dsa.grouping), called
+# per call through its own FFI handler. Atomic form only (deterministic=True never groups); each
+# group size also gets its list-union kernel (ffi/group_union.cc).
+GROUPED_BWD = {
     "wgg4": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"group": 4}),
     "wgg8": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"group": 8}),
 }
+
+
+def bwd_forms(entry):
+    """The deterministic flags a backward variant is exported with: grouped ones atomic only."""
+    return (False,) if len(entry) > 2 and "group" in entry[2] else (False, True)
+
+
+def union_groups(experimental):
+    """Group sizes that need a list-union kernel: those of the grouped backward variants."""
+    entries = list(GROUPED_BWD.values()) + (list(EXPERIMENTAL_BWD.values()) if experimental else [])
+    return sorted({e[2]["group"] for e in entries if len(e) > 2 and "group" in e[2]})
 # (dtype name, Dqk); one export per variant and spec.
 FWD_SPECS = [("bf16", 512), ("bf16", 576), ("f16", 512), ("f16", 576)]
 
@@ -112,13 +125,14 @@ def compile_fn(mod_name, fn_name, kwargs=None):
 
 
 def _variants(stable, experimental, use_experimental):
-    """(tag, compile function) pairs; experimental modules that do not exist are skipped."""
-    out = [(tag, compile_fn(*entry)) for tag, entry in stable.items()]
+    """(tag, compile function, table entry) triples; experimental modules that do not exist are
+    skipped."""
+    out = [(tag, compile_fn(*entry), entry) for tag, entry in stable.items()]
     for tag, entry in (experimental.items() if use_experimental else ()):
         if not os.path.isfile(os.path.join(ROOT, "jax_dsa", "kernels", "sm90", entry[0] + ".py")):
             log(f"experimental {entry[0]} not present: skipped")
             continue
-        out.append((tag, compile_fn(*entry)))
+        out.append((tag, compile_fn(*entry), entry))
     return out
 
 
@@ -128,7 +142,7 @@ def export_kernels(build_dir, only=None, experimental=False):
     sys.path.insert(0, ROOT)
     dtypes = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
     prefixes = []
-    for tag, compile_fn in _variants(FWD_VARIANTS, EXPERIMENTAL_FWD, experimental):
+    for tag, compile_fn, _ in _variants(FWD_VARIANTS, EXPERIMENTAL_FWD, experimental):
         for dname, d in FWD_SPECS:
             prefix = f"jax_dsa_fwd{tag}_{dname}_d{d}"
             if only and not any(o in prefix for o in only):
@@ -141,17 +155,17 @@ def export_kernels(build_dir, only=None, experimental=False):
     from jax_dsa.kernels.sm90.sparse_mla_dkv_reduce import compile_dkv_reduce
 
     jobs = []
-    for tag, compile_fn in _variants(BWD_VARIANTS, EXPERIMENTAL_BWD, experimental):
+    for tag, compile_fn, entry in _variants({**BWD_VARIANTS, **GROUPED_BWD}, EXPERIMENTAL_BWD,
+                                            experimental):
         for dname, d in FWD_SPECS:  # the backward has the same (dtype, Dqk) list
-            for det in (False, True):
+            for det in bwd_forms(entry):
                 jobs.append((f"jax_dsa_bwd{tag}{'det' if det else ''}_{dname}_d{d}",
                              lambda f=compile_fn, dt=dtypes[dname], d=d, det=det:
                              f(dt, d, deterministic=det)))
     for d in sorted({d for _, d in FWD_SPECS}):  # the deterministic dkv reduction (fp32 only)
         jobs.append((f"jax_dsa_dkvreduce_d{d}", lambda d=d: compile_dkv_reduce(d)))
-    # The list union of each grouped backward candidate's group size (ffi/group_union.cc).
-    groups = sorted({entry[2]["group"] for entry in EXPERIMENTAL_BWD.values()
-                     if len(entry) > 2 and "group" in entry[2]}) if experimental else []
+    # The list union of each grouped backward's group size (ffi/group_union.cc).
+    groups = union_groups(experimental)
     if groups:
         from jax_dsa.kernels.sm90.group_union import compile_group_union
     for g in groups:

@@ -91,13 +91,15 @@ def jobs(variants, experimental):
     import cutlass
 
     dtypes = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
-    tables = {"fwd": dict(build_kernels.FWD_VARIANTS), "bwd": dict(build_kernels.BWD_VARIANTS)}
+    tables = {"fwd": dict(build_kernels.FWD_VARIANTS),
+              "bwd": {**build_kernels.BWD_VARIANTS, **build_kernels.GROUPED_BWD}}
     if experimental:
         tables["fwd"].update(build_kernels.EXPERIMENTAL_FWD)
         tables["bwd"].update(build_kernels.EXPERIMENTAL_BWD)
     if not variants:
         variants = [f"fwd:{t}" for t in tables["fwd"]] + [f"bwd:{t}" for t in tables["bwd"]]
         variants.append("reduce")
+        variants += [f"union:{g}" for g in build_kernels.union_groups(experimental)]
     out = []
     for v in variants:
         if v == "reduce":
@@ -120,7 +122,7 @@ def jobs(variants, experimental):
                 out.append((v, f"jax_dsa_fwd{tag}_{dname}_d{d}",
                             lambda fn=fn, dt=dtypes[dname], d=d: fn(dt, d), False))
             else:
-                for det in (False, True):
+                for det in build_kernels.bwd_forms(tables[kind][tag]):
                     out.append((v, f"jax_dsa_bwd{tag}{'det' if det else ''}_{dname}_d{d}",
                                 lambda fn=fn, dt=dtypes[dname], d=d, det=det:
                                 fn(dt, d, deterministic=det), det))

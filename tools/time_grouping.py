@@ -1,15 +1,18 @@
 #!/usr/bin/env python
-"""Where the grouped backward's time goes (experimental wgg4 at H = 16, wgg8 at H = 8): the XLA
-union of the lists against the kernel, on the benchmark's problem at that H (T = S = 4096, window 128 + 512 picks).
+"""Where the grouped backward's time goes (the default at H = 16, G = 4, and H = 8, G = 8): the
+list union by XLA and by its kernel against the grouped kernel, on the benchmark's problem at that
+H (T = S = 4096, window 128 + 512 picks).
 
-    JAX_DSA_BWD_IMPL=wgg4 python tools/time_grouping.py   (or wgg8)
+    python tools/time_grouping.py [--heads 16|8]
 
-Prints, median over replays (examples/benchmark.py's timer): the union alone, by XLA
-(jax_dsa.grouping.group_lists + pack_entries) and, when the library has it, by its own kernel
-(_native.group_union, which _core then uses unless JAX_DSA_GROUP_UNION=xla), the kernel alone
-on precomputed packed lists (the FFI call of _core._grouped_kernel_backward), and the whole backward (vjp, as the
-benchmark times it), plus how many 64-row blocks the union has against the plain lists.
+Prints, median over replays (examples/benchmark.py's timer): the union alone by XLA
+(jax_dsa.grouping.group_lists + pack_entries) and by its kernel (_native.group_union, which _core
+uses unless JAX_DSA_GROUP_UNION=xla), the union kernel again as 20 dependent calls in one jitted
+program (a single call is shorter than its dispatch), the grouped kernel alone on precomputed
+packed lists (the FFI call of _core._grouped_kernel_backward), and the whole backward (vjp, as
+the benchmark times it), plus how many 64-row blocks the union has against the plain lists.
 """
+import argparse
 import os
 import sys
 
@@ -27,13 +30,16 @@ TOPK = 512
 
 
 def main():
-  if _core._experimental_bwd_group() not in (4, 8):
-    sys.exit("run with JAX_DSA_BWD_IMPL=wgg4 (H = 16) or wgg8 (H = 8)")
-  GROUP = _core._experimental_bwd_group()
-  H = 64 // GROUP
+  ap = argparse.ArgumentParser(description=__doc__)
+  ap.add_argument("--heads", type=int, default=16, choices=(16, 8))
+  H = ap.parse_args().heads
+  GROUP = 64 // H
   q, kv, idx, sink, _ = benchmark.make_inputs(H, TOPK, 4096)
   b, t, h, d = q.shape
   s_rows, k = kv.shape[1], idx.shape[-1]
+  if _core._backward_group(q.shape, k, s_rows, False) != GROUP:
+    sys.exit(f"the backward does not group H={H} by {GROUP} here (JAX_DSA_BWD_IMPL set, or a "
+             "library without the grouped kernels)")
   topk_length = jnp.full((b, t), k, jnp.int32)
 
   def union(idx, topk_length):
@@ -51,7 +57,19 @@ def main():
     same = bool(np.array_equal(got_length, np.asarray(length))) and bool(
         np.array_equal(np.sort(got, axis=-1), np.sort(np.asarray(packed), axis=-1)))
     t_ku = benchmark.time_call(kernel_union, (idx, topk_length), 5, 3)
-    union_kernel = f", union (kernel) {t_ku * 1e6:.0f} us (identical: {same})"
+
+    @jax.jit
+    def union_20(idx, topk_length):  # each call's input depends on the last one's output
+      def body(_, carry):
+        lengths, total = carry
+        _, length = _native.group_union(idx, lengths, s_rows, GROUP)
+        # total >= 0 always, but XLA cannot know: the next call waits for this one.
+        return jnp.where(total < 0, 0, topk_length), jnp.sum(length)
+      return jax.lax.fori_loop(0, 20, body, (topk_length, jnp.int32(0)))[1]
+
+    t_k20 = benchmark.time_call(union_20, (idx, topk_length), 5, 3) / 20
+    union_kernel = (f", union (kernel) {t_ku * 1e6:.0f} us, in a loop {t_k20 * 1e6:.1f} us "
+                    f"(identical: {same})")
 
   fwd, bwd_args = benchmark.make_fn("cute", "bwd")
   vjp_fn, cot = bwd_args(q, kv, idx, sink)
