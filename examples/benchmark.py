@@ -133,7 +133,14 @@ def main(argv=None):
                       help="more calls per batch until a batch lasts about this long")
   parser.add_argument("--batches", type=int, default=7)
   parser.add_argument("--out", default="bench_out")
+  parser.add_argument("--replot", metavar="MD",
+                      help="no timing: redraw DIR/benchmark.png from a benchmark.md (or a log "
+                           "holding its table) written by an earlier run")
   args = parser.parse_args(argv)
+  if args.replot:
+    head, rows = read_report(args.replot)
+    plot_report(rows, head, args.out)
+    return rows
 
   impls = args.impls.split(",")
   if api.kernel_runtime_problem() and any(i.startswith("cute") for i in impls):
@@ -185,6 +192,26 @@ def write_report(rows, args):
   with open(os.path.join(args.out, "benchmark.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
   print("\n".join(lines))
+  plot_report(rows, head, args.out)
+
+
+def read_report(path):
+  """(header line, rows) of a table written by write_report (other lines are skipped)."""
+  head, rows = "", []
+  with open(path) as f:
+    for line in f:
+      if line.startswith("GPU/device:"):
+        head = line.strip()
+      cells = [c.strip() for c in line.strip().strip("|").split("|")]
+      if line.startswith("|") and len(cells) == 10 and cells[1].isdigit():
+        rows.append(dict(shape=cells[0], h=int(cells[1]), k=int(cells[2]), passes=cells[3],
+                         impl=cells[4], us=float(cells[5])))
+  return head, rows
+
+
+def plot_report(rows, head, out):
+  """DIR/benchmark.png: µs per shape, one bar per (pass, implementation); needs matplotlib."""
+  os.makedirs(out, exist_ok=True)
   try:
     import matplotlib
     matplotlib.use("Agg")
@@ -206,7 +233,7 @@ def write_report(rows, args):
   ax.set_title(head, fontsize=7)
   ax.legend()
   fig.tight_layout()
-  fig.savefig(os.path.join(args.out, "benchmark.png"), dpi=120)
+  fig.savefig(os.path.join(out, "benchmark.png"), dpi=120)
 
 
 if __name__ == "__main__":
