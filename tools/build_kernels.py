@@ -136,25 +136,17 @@ def _variants(stable, experimental, use_experimental):
     return out
 
 
-def export_kernels(build_dir, only=None, experimental=False):
+def export_jobs(experimental=False):
+    """[(export prefix, compile thunk)] of every specialization, in link order."""
     import cutlass
 
     sys.path.insert(0, ROOT)
     dtypes = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
-    prefixes = []
+    jobs = []
     for tag, compile_fn, _ in _variants(FWD_VARIANTS, EXPERIMENTAL_FWD, experimental):
         for dname, d in FWD_SPECS:
-            prefix = f"jax_dsa_fwd{tag}_{dname}_d{d}"
-            if only and not any(o in prefix for o in only):
-                continue
-            t0 = time.time()
-            compiled = compile_fn(dtypes[dname], d)
-            compiled.export_to_c(build_dir, prefix, prefix)
-            log(f"exported {prefix} in {time.time() - t0:.1f}s")
-            prefixes.append(prefix)
-    from jax_dsa.kernels.sm90.sparse_mla_dkv_reduce import compile_dkv_reduce
-
-    jobs = []
+            jobs.append((f"jax_dsa_fwd{tag}_{dname}_d{d}",
+                         lambda f=compile_fn, dt=dtypes[dname], d=d: f(dt, d)))
     for tag, compile_fn, entry in _variants({**BWD_VARIANTS, **GROUPED_BWD}, EXPERIMENTAL_BWD,
                                             experimental):
         for dname, d in FWD_SPECS:  # the backward has the same (dtype, Dqk) list
@@ -162,6 +154,8 @@ def export_kernels(build_dir, only=None, experimental=False):
                 jobs.append((f"jax_dsa_bwd{tag}{'det' if det else ''}_{dname}_d{d}",
                              lambda f=compile_fn, dt=dtypes[dname], d=d, det=det:
                              f(dt, d, deterministic=det)))
+    from jax_dsa.kernels.sm90.sparse_mla_dkv_reduce import compile_dkv_reduce
+
     for d in sorted({d for _, d in FWD_SPECS}):  # the deterministic dkv reduction (fp32 only)
         jobs.append((f"jax_dsa_dkvreduce_d{d}", lambda d=d: compile_dkv_reduce(d)))
     # The list union of each grouped backward's group size (ffi/group_union.cc).
@@ -170,13 +164,35 @@ def export_kernels(build_dir, only=None, experimental=False):
         from jax_dsa.kernels.sm90.group_union import compile_group_union
     for g in groups:
         jobs.append((f"jax_dsa_groupunion_g{g}", lambda g=g: compile_group_union(g)))
-    for prefix, compile_fn in jobs:
-        if only and not any(o in prefix for o in only):
-            continue
-        t0 = time.time()
-        compile_fn().export_to_c(build_dir, prefix, prefix)
-        log(f"exported {prefix} in {time.time() - t0:.1f}s")
-        prefixes.append(prefix)
+    return jobs
+
+
+def _export_one(prefix, build_dir, experimental):
+    """Compile and export one specialization (also the body of a worker process)."""
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    t0 = time.time()
+    thunk = dict(export_jobs(experimental))[prefix]
+    thunk().export_to_c(build_dir, prefix, prefix)
+    return time.time() - t0
+
+
+def export_kernels(build_dir, only=None, experimental=False, workers=1):
+    """Export the selected specializations into build_dir; returns their prefixes. With
+    workers > 1 they compile in that many processes (each compile uses one core)."""
+    prefixes = [p for p, _ in export_jobs(experimental)
+                if not only or any(o in p for o in only)]
+    if workers <= 1:
+        for prefix in prefixes:
+            log(f"exported {prefix} in {_export_one(prefix, build_dir, experimental):.1f}s")
+        return prefixes
+    import concurrent.futures
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked MLIR state
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        futures = {pool.submit(_export_one, p, build_dir, experimental): p for p in prefixes}
+        for fut in concurrent.futures.as_completed(futures):
+            log(f"exported {futures[fut]} in {fut.result():.1f}s")
     return prefixes
 
 
@@ -203,6 +219,9 @@ def main():
     ap.add_argument("--only", nargs="*", help="substrings of the export prefixes to build")
     ap.add_argument("--experimental", action="store_true",
                     help="also build the not-yet-validated candidate variants (EXPERIMENTAL_*)")
+    ap.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 4),
+                    help="kernels compiled in parallel processes (default: the CPU count, at "
+                         "most 4)")
     ap.add_argument("--relink", action="store_true",
                     help="reuse the kernel exports already in --build-dir (after an edit of ffi/)")
     args = ap.parse_args()
@@ -230,7 +249,7 @@ def main():
                     if os.path.basename(h).startswith("jax_dsa_") and h.endswith(".h")
                     and not h.endswith("jax_dsa_kernels.h")]
     else:
-        prefixes = export_kernels(args.build_dir, args.only, args.experimental)
+        prefixes = export_kernels(args.build_dir, args.only, args.experimental, args.jobs)
     write_index_header(args.build_dir, prefixes)
 
     kernel_objs = sorted(os.path.join(args.build_dir, p + ".o") for p in prefixes)
