@@ -60,15 +60,20 @@ GROUPED_BWD = {
 }
 
 
+def _group_of(entry):
+    """The group size of a grouped backward variant's table entry, else None."""
+    return entry[2].get("group") if len(entry) > 2 else None
+
+
 def bwd_forms(entry):
     """The deterministic flags a backward variant is exported with: grouped ones atomic only."""
-    return (False,) if len(entry) > 2 and "group" in entry[2] else (False, True)
+    return (False,) if _group_of(entry) else (False, True)
 
 
 def union_groups(experimental):
     """Group sizes that need a list-union kernel: those of the grouped backward variants."""
     entries = list(GROUPED_BWD.values()) + (list(EXPERIMENTAL_BWD.values()) if experimental else [])
-    return sorted({e[2]["group"] for e in entries if len(e) > 2 and "group" in e[2]})
+    return sorted({_group_of(e) for e in entries if _group_of(e)})
 # (dtype name, Dqk); one export per variant and spec.
 FWD_SPECS = [("bf16", 512), ("bf16", 576), ("f16", 512), ("f16", 576)]
 
