@@ -1,6 +1,6 @@
-// XLA FFI handler: the union of the index lists of G consecutive tokens, for the experimental
-// grouped backward (jax_dsa/kernels/sm90/group_union.py, exports jax_dsa_groupunion_g<G>,
-// built with tools/build_kernels.py --experimental; "jax_dsa_kernels.h" lists them in
+// XLA FFI handler: the union of the index lists of G consecutive tokens, for the grouped
+// backward (jax_dsa/kernels/sm90/group_union.py, exports jax_dsa_groupunion_g<G>, one per
+// grouped backward variant of tools/build_kernels.py; "jax_dsa_kernels.h" lists them in
 // JAX_DSA_UNION_SPECS).
 //
 //   args:  idx [B, T, K] int32, topk_length [B, T] int32
@@ -112,7 +112,7 @@ ffi::Error GroupUnion(cudaStream_t stream, int32_t device, ffi::AnyBuffer idx,
   if (launch == nullptr)
     return ffi::Error::Internal("jax_dsa group_union: no kernel jax_dsa_groupunion_g" +
                                 std::to_string(group) +
-                                " was built (tools/build_kernels.py --experimental)");
+                                " was built (tools/build_kernels.py GROUPED_BWD)");
   DeviceGuard guard(device);
   if (!guard.ok()) return ffi::Error::Internal("jax_dsa group_union: cudaSetDevice failed");
   cudaError_t le = LoadAllUnion();
@@ -147,7 +147,7 @@ extern "C" __attribute__((visibility("default"))) int JaxDsaGroupUnionInit() {
   return static_cast<int>(jax_dsa::LoadAllUnion());
 }
 
-// Number of union kernels built into this library (0 without --experimental).
+// Number of union kernels built into this library (0 in a build without grouped variants).
 extern "C" __attribute__((visibility("default"))) int JaxDsaGroupUnionNumKernels() {
   int n = 0;
 #define JAX_DSA_UNION_COUNT(PREFIX) ++n;

@@ -276,7 +276,7 @@ ffi::Error SparseMlaBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                       dout, o, coef, scale, dq, dkv, delta);
 }
 
-// The grouped backward (experimental exports jax_dsa_bwdwgg<G>_*): the caller (jax_dsa._core)
+// The grouped backward (exports jax_dsa_bwdwgg<G>_*): the caller (jax_dsa._core)
 // views G consecutive tokens of 64 / G heads as one token of 64 rows (q, do, o, lse, coef, dq,
 // delta as [B, T / G, 64, ...]) and passes the union of their lists with membership bits from
 // bit 23 up (jax_dsa.grouping); same buffers as SparseMlaBwd otherwise.

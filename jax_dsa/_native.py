@@ -169,7 +169,7 @@ def sparse_mla_bwd(q, kv, idx, topk_length, lse, do, o, coef, scale, group=1):
     lse [B, T, H] float32 and o [B, T, H, 512] (the forward's; lse -inf on dead rows),
     do [B, T, H, 512], coef [B, T, H, 2] float32 = (c, dlse) per row (see jax_dsa._core). dkv is
     the fp32 accumulator (zero-filled by the handler); the caller casts it.
-    group > 1: the experimental grouped kernel (jax_dsa._core._grouped_kernel_backward: H = 64
+    group > 1: the grouped kernel (jax_dsa._core._grouped_kernel_backward: H = 64
     rows of `group` tokens, idx = the union's packed entries, topk_length = its lengths).
     """
     lib = load()
@@ -203,7 +203,7 @@ def sparse_mla_bwd(q, kv, idx, topk_length, lse, do, o, coef, scale, group=1):
 
 # ---------------------------------------------------------------- grouped backward's list union
 def has_group_union() -> bool:
-    """True when the library was built with the list-union kernels (--experimental). Never
+    """True when the library was built with the list-union kernels (the default build). Never
     raises."""
     try:
         with _lock:

@@ -1,4 +1,4 @@
-"""The list-union kernel (experimental, built with --experimental) against
+"""The list-union kernel (in the default build, for the grouped backward) against
 jax_dsa.grouping's XLA formulation, which tests/test_grouping.py checks on the CPU: the lengths
 must be identical and, per group, the packed entries the same multiset (GPU only)."""
 import zlib
@@ -44,7 +44,7 @@ def test_union_kernel_matches_group_lists(case):
   if problem:
     pytest.skip(problem)
   if not _native.has_group_union():
-    pytest.skip("the library was built without the list-union kernel (--experimental)")
+    pytest.skip("the library was built without the list-union kernels")
   b, t, k, s, group, kind = case
   rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
   idx, lengths = _lists(rng, b, t, k, s, kind)

@@ -202,7 +202,7 @@ class SparseMlaBwdWgmmaSm90:
         # (v11, was candidate "wgt"; ncu of v8 had the FSEL / SHFL-bound scatter at ~45 % of
         # each group's time). Dqk 576 has no room for the 16 KB and keeps the shuffles.
         self.smem_scatter = self.rope == 0
-        # Experimental ("wgg4"): the 64 head rows are `group` consecutive tokens of 64 / group
+        # Grouped ("wgg<G>"): the 64 head rows are `group` consecutive tokens of 64 / group
         # heads each, and idx is the group's merged list (jax_dsa.grouping.group_lists) with the
         # membership bits from bit GROUP_SHIFT up (grouping.pack_entries): head row i sees an
         # entry only if bit i // (64 / group) is set. The caller views q / dO / o / lse / dq as
