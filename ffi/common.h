@@ -1,5 +1,6 @@
-// Shared pieces of the jax_dsa XLA FFI handlers: module-load error capture, device switching,
-// the input checks every op repeats, and the translation of a kernel launch's status.
+// Shared pieces of the jax_dsa XLA FFI handlers: one-time module loading and its error capture,
+// device switching, the input checks every op repeats, and the translation of a kernel launch's
+// status.
 //
 // Include this first in a handler file, then "jax_dsa_kernels.h" (the generated index of the
 // exported CuTe DSL kernels), whose inline module loaders report CUDA errors through
@@ -9,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <mutex>
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
@@ -20,6 +22,31 @@ inline cudaError_t& LoadError() {
   static cudaError_t e = cudaSuccess;
   return e;
 }
+
+// Loads one handler file's kernel modules once (the exported loaders load on all devices).
+// Per translation unit, like the LoadError() slot it reads.
+class ModuleLoader {
+ public:
+  // Runs `load_all` (the file's Spec_X::load() calls) on the first call only, restoring the
+  // calling thread's current device, which the loaders may change. Every call returns the
+  // first CUDA error the loaders reported (LoadError()), or cudaSuccess.
+  template <typename F>
+  cudaError_t Load(F load_all) {
+    std::call_once(once_, [&] {
+      int prev = -1;
+      bool have_prev = cudaGetDevice(&prev) == cudaSuccess;
+      load_all();
+      if (have_prev) cudaSetDevice(prev);
+      status_ = LoadError();
+      cudaGetLastError();  // loading errors are reported through status_
+    });
+    return status_;
+  }
+
+ private:
+  std::once_flag once_;
+  cudaError_t status_ = cudaSuccess;
+};
 
 }  // namespace
 }  // namespace jax_dsa

@@ -11,7 +11,6 @@
 
 #include "common.h"  // first: defines the loaders' error hook
 
-#include <mutex>
 #include <string>
 
 #include "jax_dsa_kernels.h"  // generated: includes every exported header
@@ -55,21 +54,13 @@ JAX_DSA_UNION_SPECS(JAX_DSA_UNION_SPEC)
 
 using UnionFn = int32_t (*)(const UnionArgs&, cudaStream_t);
 
-std::once_flag g_union_load_once;
-cudaError_t g_union_load_status = cudaSuccess;
-
 cudaError_t LoadAllUnion() {
-  std::call_once(g_union_load_once, [] {
-    int prev = -1;
-    bool have_prev = cudaGetDevice(&prev) == cudaSuccess;
+  static ModuleLoader loader;
+  return loader.Load([] {
 #define JAX_DSA_UNION_LOAD(PREFIX) Spec_##PREFIX::load();
     JAX_DSA_UNION_SPECS(JAX_DSA_UNION_LOAD)
 #undef JAX_DSA_UNION_LOAD
-    if (have_prev) cudaSetDevice(prev);
-    g_union_load_status = LoadError();
-    cudaGetLastError();
   });
-  return g_union_load_status;
 }
 
 UnionFn FindUnion(int32_t group) {

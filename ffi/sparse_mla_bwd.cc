@@ -24,7 +24,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
-#include <mutex>
 #include <string>
 
 #include "jax_dsa_kernels.h"  // generated: includes every exported header
@@ -112,24 +111,15 @@ JAX_DSA_REDUCE_SPECS(JAX_DSA_REDUCE_SPEC)
 using LaunchFn = int32_t (*)(const BwdArgs&, cudaStream_t);
 using ReduceFn = int32_t (*)(const ReduceArgs&, cudaStream_t);
 
-// Load every exported backward module once (the exported loader loads on all devices).
-// Restores the calling thread's current device, which the loader may change.
-std::once_flag g_bwd_load_once;
-cudaError_t g_bwd_load_status = cudaSuccess;
-
+// Loads every exported backward and reduction module once (see ModuleLoader).
 cudaError_t LoadAllBwd() {
-  std::call_once(g_bwd_load_once, [] {
-    int prev = -1;
-    bool have_prev = cudaGetDevice(&prev) == cudaSuccess;
+  static ModuleLoader loader;
+  return loader.Load([] {
 #define JAX_DSA_BWD_LOAD(PREFIX) Spec_##PREFIX::load();
     JAX_DSA_BWD_SPECS(JAX_DSA_BWD_LOAD)
     JAX_DSA_REDUCE_SPECS(JAX_DSA_BWD_LOAD)
 #undef JAX_DSA_BWD_LOAD
-    if (have_prev) cudaSetDevice(prev);
-    g_bwd_load_status = LoadError();
-    cudaGetLastError();  // loading errors are reported through g_bwd_load_status
   });
-  return g_bwd_load_status;
 }
 
 // Backward variant: JAX_DSA_BWD_IMPL (read once) = "wgmma" (sparse_mla_bwd_wgmma.py, the

@@ -9,7 +9,6 @@
 
 #include <cstdint>
 #include <cstdlib>
-#include <mutex>
 #include <string>
 
 #include "jax_dsa_kernels.h"  // generated: includes every exported header
@@ -54,23 +53,14 @@ JAX_DSA_FWD_SPECS(JAX_DSA_FWD_SPEC)
 
 using LaunchFn = int32_t (*)(const FwdArgs&, cudaStream_t);
 
-// Load every exported module once (the exported loader loads on all devices). Restores the
-// calling thread's current device, which the loader may change.
-std::once_flag g_load_once;
-cudaError_t g_load_status = cudaSuccess;
-
+// Loads every exported forward module once (see ModuleLoader).
 cudaError_t LoadAll() {
-  std::call_once(g_load_once, [] {
-    int prev = -1;
-    bool have_prev = cudaGetDevice(&prev) == cudaSuccess;
+  static ModuleLoader loader;
+  return loader.Load([] {
 #define JAX_DSA_FWD_LOAD(PREFIX) Spec_##PREFIX::load();
     JAX_DSA_FWD_SPECS(JAX_DSA_FWD_LOAD)
 #undef JAX_DSA_FWD_LOAD
-    if (have_prev) cudaSetDevice(prev);
-    g_load_status = LoadError();
-    cudaGetLastError();  // loading errors are reported through g_load_status
   });
-  return g_load_status;
 }
 
 // Kernel variant. By default H <= 32 (tensor-parallel shards) runs the small-H kernel with two

@@ -48,7 +48,8 @@ def _forced_bwd_impl() -> str:
 def _backward_group(q_shape, k: int, s_rows: int, deterministic: bool) -> int:
   """How many consecutive tokens the atomic backward runs as one 64-row token (1: none).
 
-  By default G = 64 / H at H = 16 (G = 4) and H = 8 (G = 8): the tokens' index lists overlap
+  By default G = 64 / H at H = 32 (G = 2), H = 16 (G = 4) and H = 8 (G = 8): the tokens' index
+  lists overlap
   (the window), so the union carries fewer rows than the lists and the dkv atomics, the H <= 64
   kernel's floor, shrink with it (docs/performance.md). Only calls the grouped kernel can serve
   (_grouping_problem) whose union the list-union kernel computes (G * K <= UNION_CAPACITY) are
@@ -60,13 +61,13 @@ def _backward_group(q_shape, k: int, s_rows: int, deterministic: bool) -> int:
     group = int(forced[3:])
     return 1 if _grouping_problem(q_shape, s_rows, group, deterministic) else group
   h = q_shape[2]
-  if forced or h not in (8, 16):
+  if forced or h not in (8, 16, 32):
     return 1
   group = 64 // h
   if _grouping_problem(q_shape, s_rows, group, deterministic) or group * k > UNION_CAPACITY:
     return 1
   from jax_dsa import _native
-  return group if _native.has_group_union() else 1  # the library builds both or neither
+  return group if _native.has_group_union() else 1  # the library builds all or none
 
 
 def _grouping_problem(q_shape, s_rows: int, group: int, deterministic: bool) -> str:

@@ -33,11 +33,11 @@ for h, d in ((3, 576), (17, 512), (29, 512), (100, 576)):  # 29: NP 32, two cons
   print(f"H={h} Dqk={d}: ok")
 print("memcheck case done")
 
-# Backward through the kernels on the same kind of problem, atomic and deterministic; H = 16 and
-# 8 with T = 8 run grouped (the list-union kernel, then 4 or 8 tokens per 64-row token).
+# Backward through the kernels on the same kind of problem, atomic and deterministic; H = 32, 16
+# and 8 with T = 8 run grouped (the list-union kernel, then 2, 4 or 8 tokens per 64-row token).
 for h, d, det, t in ((100, 576, False, 5), (100, 512, False, 5), (17, 512, False, 5),
-                     (100, 576, True, 5), (3, 512, True, 5), (16, 512, False, 8),
-                     (8, 576, False, 8)):
+                     (100, 576, True, 5), (3, 512, True, 5), (32, 576, False, 8),
+                     (16, 512, False, 8), (8, 576, False, 8)):
   q = jnp.asarray(rng.standard_normal((2, t, h, d)), jnp.bfloat16)
   kv = jnp.asarray(rng.standard_normal((2, 37, d)), jnp.bfloat16)
   idx = jnp.asarray(rng.integers(-40, 80, (2, t, 70)).astype(np.int32))

@@ -58,10 +58,13 @@ def _grads(p, dtype, impl, w_o, w_lse, deterministic=False):
   return q, kv, fn(q, kv, sink)
 
 
-# The grouped backward (by default at H = 16 and H = 8, G = 64 / H tokens per 64-row token; T a
+# The grouped backward (by default at H = 32, 16 and 8, G = 64 / H tokens per 64-row token; T a
 # multiple of G): tokens whose lists overlap (K close to S), duplicates, invalid entries, partial
 # lengths. _core._backward_group must pick G for each (asserted), so these run grouped.
 GROUPED_CASES = {
+    2: [(1, 16, 32, 512, 4096, 640, True, "partial"),
+        (2, 8, 32, 576, 60, 48, True, "partial"),
+        (1, 10, 32, 512, 100, 640, False, "none")],
     4: [(1, 16, 16, 512, 4096, 640, True, "partial"),
         (2, 8, 16, 576, 60, 48, True, "partial"),
         (1, 12, 16, 512, 100, 640, False, "none")],

@@ -22,6 +22,8 @@ CASES = [
     (3, 8, 1536, 5000, 4, "random"),  # G * K = 6144: the kernel's capacity
     (1, 16, 640, 100000, 8, "random"),  # S > the hash table: rows collide modulo its size
     (1, 4, 100, 7, 4, "random"),  # S < K / G: every row in every list several times
+    (2, 10, 640, 4096, 2, "benchmark"),  # G = 2 (H = 32)
+    (1, 6, 3072, 3000, 2, "random"),  # G * K = 6144 at G = 2
 ]
 
 

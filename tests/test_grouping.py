@@ -135,13 +135,20 @@ BACKWARD_GROUP_CASES = [
     ("", 16, 4096, 640, 4096, True, True, 1),    # deterministic
     ("", 16, 4096, 640, 1 << 23, False, True, 1),  # S too large for the membership bits
     ("", 16, 4096, 640, 4096, False, False, 1),  # library without the grouped kernels
-    ("", 32, 4096, 640, 4096, False, True, 1),
+    ("", 32, 4096, 640, 4096, False, True, 2),
+    ("", 32, 4096, 3072, 4096, False, True, 2),   # G * K = 6144
+    ("", 32, 4096, 3073, 4096, False, True, 1),
+    ("", 32, 4097, 640, 4096, False, True, 1),   # T odd
+    ("", 32, 4096, 640, 4096, True, True, 1),    # deterministic
+    ("", 24, 4096, 640, 4096, False, True, 1),   # 64 / H not a whole number of tokens
     ("", 64, 4096, 640, 4096, False, True, 1),
     ("", 4, 4096, 640, 4096, False, True, 1),
     ("wg", 16, 4096, 640, 4096, False, True, 1),  # a forced plain variant never groups
     ("wgk3", 8, 4096, 640, 4096, False, True, 1),
     ("wgg4", 16, 4096, 2048, 4096, False, True, 4),  # forced: the union by XLA beyond 6144
     ("wgg4", 8, 4096, 640, 4096, False, True, 1),  # forced, but H * G != 64
+    ("wgg2", 32, 4096, 640, 4096, False, True, 2),
+    ("wgg2", 16, 4096, 640, 4096, False, True, 1),  # forced, but H * G != 64
 ]
 
 

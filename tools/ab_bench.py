@@ -6,7 +6,8 @@
     python tools/ab_bench.py --pass bwd --impls default,<tag>
 
 Why: separate benchmark processes of the same export differ by ~2 % (clocks, placement), as
-much as the gains we try to measure. This runs examples/benchmark.py --quick once per variant
+much as the gains we try to measure. This runs examples/benchmark.py (--quick, or the shapes
+of --heads) once per variant
 and round (one process each: JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL are read once per process),
 reversing the variant order every round (A B, B A, A B, ...), and reports per shape the
 median time of each variant and the median over rounds of each candidate's time relative to
@@ -36,9 +37,10 @@ def read_table(path):
 def run_variant(variant, pass_name, out_dir, timeout, heads=""):
   env = dict(os.environ)
   env["JAX_DSA_FWD_IMPL" if pass_name == "fwd" else "JAX_DSA_BWD_IMPL"] = variant
-  cmd = [sys.executable, os.path.join(ROOT, "examples", "benchmark.py"), "--quick",
+  # --heads picks from all of the benchmark's shapes (e.g. 32), else its --quick ones
+  cmd = [sys.executable, os.path.join(ROOT, "examples", "benchmark.py"),
          "--impls", "cute", "--passes", pass_name, "--calls", "5", "--batches", "3",
-         "--out", out_dir] + (["--heads", heads] if heads else [])
+         "--out", out_dir] + (["--heads", heads] if heads else ["--quick"])
   with open(out_dir + ".log", "w") as log:
     subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=True,
                    timeout=timeout)
@@ -53,7 +55,8 @@ def main():
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/jax_dsa_gpu") + "/ab")
   ap.add_argument("--heads", default="",
-                  help="head counts to time (e.g. 64,128: the ws2 candidates run only there)")
+                  help="head counts to time, from all of the benchmark's shapes (e.g. 64,128: "
+                       "the ws2 candidates run only there; 32); default: its --quick shapes")
   ap.add_argument("--timeout", type=int, default=150, help="seconds per benchmark process")
   args = ap.parse_args()
   variants = args.impls.split(",")

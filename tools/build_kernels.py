@@ -55,6 +55,7 @@ EXPERIMENTAL_BWD = {}
 # per call through its own FFI handler. Atomic form only (deterministic=True never groups); each
 # group size also gets its list-union kernel (ffi/group_union.cc).
 GROUPED_BWD = {
+    "wgg2": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"group": 2}),
     "wgg4": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"group": 4}),
     "wgg8": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"group": 8}),
 }

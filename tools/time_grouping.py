@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Where the grouped backward's time goes (the default at H = 16, G = 4, and H = 8, G = 8): the
+"""Where the grouped backward's time goes (the default at H = 32, 16 and 8: G = 2, 4, 8): the
 list union by XLA and by its kernel against the grouped kernel, on the benchmark's problem at that
 H (T = S = 4096, window 128 + 512 picks).
 
-    python tools/time_grouping.py [--heads 16|8]
+    python tools/time_grouping.py [--heads 32|16|8]
 
 Prints, median over replays (examples/benchmark.py's timer): the union alone by XLA
 (jax_dsa.grouping.group_lists + pack_entries) and by its kernel (_native.group_union, which _core
@@ -31,7 +31,7 @@ TOPK = 512
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__)
-  ap.add_argument("--heads", type=int, default=16, choices=(16, 8))
+  ap.add_argument("--heads", type=int, default=16, choices=(32, 16, 8))
   H = ap.parse_args().heads
   GROUP = 64 // H
   q, kv, idx, sink, _ = benchmark.make_inputs(H, TOPK, 4096)
