@@ -1,7 +1,7 @@
 // XLA FFI handler: the union of the index lists of G consecutive tokens, for the grouped
-// backward (jax_dsa/kernels/sm90/group_union.py, exports jax_dsa_groupunion_g<G>, one per
-// grouped backward variant of tools/build_kernels.py; "jax_dsa_kernels.h" lists them in
-// JAX_DSA_UNION_SPECS).
+// backward (jax_dsa/kernels/sm90/group_union.py, exports jax_dsa_groupunion_g<G>_t<TABLE>: each
+// grouped backward variant's G of tools/build_kernels.py with each hash-table size; the smallest
+// table that holds G * K runs; "jax_dsa_kernels.h" lists them in JAX_DSA_UNION_SPECS).
 //
 //   args:  idx [B, T, K] int32, topk_length [B, T] int32
 //   attrs: num_kv_rows (int64: S, entries outside [0, S) are not used), group (int32: G)
@@ -24,7 +24,8 @@ namespace ffi = xla::ffi;
 namespace jax_dsa {
 namespace {
 
-constexpr int64_t kUnionCapacity = 6144;  // group_union.CAPACITY: G * K entries per hash table
+constexpr int64_t kUnionCapacity = 6144;  // group_union.CAPACITY: G * K entries at most
+constexpr int64_t kUnionTables[] = {2048, 4096, 8192};  // group_union.TABLES (ascending)
 constexpr int64_t kMemberShift = 23;
 
 struct UnionArgs {
@@ -63,13 +64,18 @@ cudaError_t LoadAllUnion() {
   });
 }
 
-UnionFn FindUnion(int32_t group) {
-  const std::string name = "jax_dsa_groupunion_g" + std::to_string(group);
+// The union kernel of `group` with the smallest built hash table that holds group * K entries
+// at a load factor <= 3/4 (the clear and the scans cost time in proportion to the table).
+UnionFn FindUnion(int32_t group, int64_t group_k) {
+  for (int64_t table : kUnionTables) {
+    if (4 * group_k > 3 * table) continue;
+    const std::string name =
+        "jax_dsa_groupunion_g" + std::to_string(group) + "_t" + std::to_string(table);
 #define JAX_DSA_UNION_MATCH(PREFIX) \
-  if (name == #PREFIX) return &Spec_##PREFIX::launch;
-  JAX_DSA_UNION_SPECS(JAX_DSA_UNION_MATCH)
+    if (name == #PREFIX) return &Spec_##PREFIX::launch;
+    JAX_DSA_UNION_SPECS(JAX_DSA_UNION_MATCH)
 #undef JAX_DSA_UNION_MATCH
-  (void)name;
+  }
   return nullptr;
 }
 
@@ -99,10 +105,11 @@ ffi::Error GroupUnion(cudaStream_t stream, int32_t device, ffi::AnyBuffer idx,
   if (length->element_type() != ffi::DataType::S32 || !HasDims(length->dimensions(), {B, n}))
     return err("length must be int32 [B, T / G], got " + Dims(length->dimensions()));
   if (B * n > INT32_MAX) return err("B * T / G must be < 2^31");
-  UnionFn launch = FindUnion(group);
+  UnionFn launch = FindUnion(group, group * K);
   if (launch == nullptr)
     return ffi::Error::Internal("jax_dsa group_union: no kernel jax_dsa_groupunion_g" +
-                                std::to_string(group) +
+                                std::to_string(group) + "_t* for G * K = " +
+                                std::to_string(group * K) +
                                 " was built (tools/build_kernels.py GROUPED_BWD)");
   DeviceGuard guard(device);
   if (!guard.ok()) return ffi::Error::Internal("jax_dsa group_union: cudaSetDevice failed");

@@ -163,14 +163,23 @@ def test_backward_group_choice(case, monkeypatch):
 
 
 def test_union_capacity_matches_the_kernel():
-  """_core.UNION_CAPACITY is the list-union kernel's CAPACITY (read from its source, which
-  needs no GPU and no nvidia-cutlass-dsl to read)."""
+  """_core.UNION_CAPACITY is the list-union kernel's CAPACITY, and its FFI handler
+  (ffi/group_union.cc) has the same capacity and table sizes (read from the sources, which
+  needs no GPU and no nvidia-cutlass-dsl)."""
   import re
   from jax_dsa import _core
   path = os.path.join(os.path.dirname(jax_dsa.__file__), "kernels", "sm90", "group_union.py")
   with open(path) as f:
-    capacity = int(re.search(r"^CAPACITY = (\d+)", f.read(), re.M).group(1))
-  assert _core.UNION_CAPACITY == capacity
+    kernel = f.read()
+  capacity = int(re.search(r"^CAPACITY = (\d+)", kernel, re.M).group(1))
+  tables = [int(x) for x in re.search(r"^TABLES = \(([\d, ]+)\)", kernel, re.M).group(1).split(",")]
+  assert _core.UNION_CAPACITY == capacity == 3 * max(tables) // 4
+  handler = os.path.join(os.path.dirname(__file__), "..", "ffi", "group_union.cc")
+  with open(handler) as f:
+    cc = f.read()
+  assert int(re.search(r"kUnionCapacity = (\d+);", cc).group(1)) == capacity
+  cc_tables = re.search(r"kUnionTables\[\] = \{([\d, ]+)\};", cc).group(1)
+  assert [int(x) for x in cc_tables.split(",")] == sorted(tables)
 
 
 @pytest.mark.parametrize("h,t,deterministic", [(8, 8, False), (16, 6, False), (16, 8, True)])

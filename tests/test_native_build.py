@@ -27,11 +27,11 @@ def test_library_loads_and_exports_handlers():
               "JaxDsaSparseMlaBwdGroupedSm90"):
     assert getattr(lib, sym) is not None
   assert _native.has_backward() and _native.has_backward(deterministic=True)
-  # The default build has the list-union kernels (G = 2, 4, 8) that the grouped backward needs;
-  # without them H = 32 / 16 / 8 would silently fall back to the slower plain kernel.
+  # The default build has the list-union kernels (G = 2, 4, 8, each with 3 table sizes) that the
+  # grouped backward needs; without them H = 32 / 16 / 8 would silently run the slower plain kernel.
   assert _native.has_group_union()
   lib.JaxDsaGroupUnionNumKernels.restype = ctypes.c_int
-  assert lib.JaxDsaGroupUnionNumKernels() == 3
+  assert lib.JaxDsaGroupUnionNumKernels() == 9
 
 
 @needs_lib

@@ -165,12 +165,19 @@ def export_jobs(experimental=False):
     for d in sorted({d for _, d in FWD_SPECS}):  # the deterministic dkv reduction (fp32 only)
         jobs.append((f"jax_dsa_dkvreduce_d{d}", lambda d=d: compile_dkv_reduce(d)))
     # The list union of each grouped backward's group size (ffi/group_union.cc).
-    groups = union_groups(experimental)
-    if groups:
-        from jax_dsa.kernels.sm90.group_union import compile_group_union
-    for g in groups:
-        jobs.append((f"jax_dsa_groupunion_g{g}", lambda g=g: compile_group_union(g)))
+    jobs += union_exports(union_groups(experimental))
     return jobs
+
+
+def union_exports(groups):
+    """[(export prefix, compile thunk)] of the list-union kernels: each group size with every
+    hash-table size (group_union.TABLES; the handler picks the smallest that holds G * K)."""
+    if not groups:
+        return []
+    from jax_dsa.kernels.sm90.group_union import TABLES, compile_group_union
+
+    return [(f"jax_dsa_groupunion_g{g}_t{t}", lambda g=g, t=t: compile_group_union(g, t))
+            for g in groups for t in TABLES]
 
 
 def _export_one(prefix, build_dir, experimental):

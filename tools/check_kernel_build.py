@@ -108,9 +108,8 @@ def jobs(variants, experimental):
                 out.append((v, f"jax_dsa_dkvreduce_d{d}", lambda d=d: compile_dkv_reduce(d), False))
             continue
         if v.startswith("union:"):
-            from jax_dsa.kernels.sm90.group_union import compile_group_union
-            g = int(v.partition(":")[2])
-            out.append((v, f"jax_dsa_groupunion_g{g}", lambda g=g: compile_group_union(g), False))
+            for prefix, thunk in build_kernels.union_exports([int(v.partition(":")[2])]):
+                out.append((v, prefix, thunk, False))
             continue
         kind, _, tag = v.partition(":")
         if kind not in tables or tag not in tables[kind]:

@@ -23,7 +23,10 @@ a group never spans two batch rows), a hash table in shared memory:
      benchmark's lists; the second, with each thread's inserts waiting on one global load at a
      time, 86 us.)
 Rows land at slot row mod TABLE (or the next free one), so the output is close to row order
-for S <= TABLE. Load factor <= G * K / TABLE <= 0.75 (the handler checks G * K <= CAPACITY).
+for S <= TABLE. Load factor <= G * K / TABLE <= 0.75: each group size is exported with every
+table size of TABLES, and the handler runs the smallest whose capacity (3/4 of it) holds G * K
+(clearing and scanning the table is most of the work: at H = 32, G * K = 1280, the 8192-slot
+table took 76 us per call). CAPACITY (the largest) is the bound on G * K.
 """
 
 import cutlass
@@ -33,18 +36,20 @@ import cuda.bindings.driver as cuda
 
 THREADS = 512
 BATCH = 8  # entries each thread loads before inserting any (overlaps the global loads)
-TABLE = 8192  # hash slots per group (a power of two)
-CAPACITY = 6144  # G * K at most: load factor <= 0.75
+TABLES = (2048, 4096, 8192)  # hash slots per group (powers of two), one export each
+CAPACITY = 6144  # G * K at most: load factor <= 0.75 in the largest table
 MEMBER_SHIFT = 23  # as jax_dsa.grouping
 EMPTY = -1
 
 
 class GroupUnionSm90:
-    def __init__(self, group: int):
+    def __init__(self, group: int, table: int = TABLES[-1]):
         assert 1 <= group <= 8  # the bits must fit in 31 - MEMBER_SHIFT
+        assert table in TABLES
         self.group = group
+        self.table = table
         self.words = (group + 1) // 2  # 32-bit count words per slot (two 16-bit counts each)
-        self.per_thread = TABLE // THREADS  # slots each thread clears and scans
+        self.per_thread = table // THREADS  # slots each thread clears and scans
 
     @cute.jit
     def __call__(self, mIdx: cute.Tensor, mLen: cute.Tensor, mOut: cute.Tensor,
@@ -52,8 +57,8 @@ class GroupUnionSm90:
                  S: cutlass.Int32, stream: cuda.CUstream):
         @cute.struct
         class SharedStorage:
-            row: cute.struct.MemRange[cutlass.Int32, TABLE]
-            count: cute.struct.MemRange[cutlass.Int32, TABLE * self.words]
+            row: cute.struct.MemRange[cutlass.Int32, self.table]
+            count: cute.struct.MemRange[cutlass.Int32, self.table * self.words]
             warp_total: cute.struct.MemRange[cutlass.Int32, THREADS // 32]
 
         self.kernel(mIdx, mLen, mOut, mLength, K, S, SharedStorage).launch(
@@ -65,7 +70,7 @@ class GroupUnionSm90:
         """Union entries of one table slot: the largest of its G per-token counts."""
         most = cutlass.Int32(0)
         for w in cutlass.range_constexpr(self.words):
-            word = sCount[w * TABLE + slot]
+            word = sCount[w * self.table + slot]
             most = cutlass.max(most, cutlass.max(word & 0xFFFF, (word >> 16) & 0xFFFF))
         return most
 
@@ -73,7 +78,7 @@ class GroupUnionSm90:
     def kernel(self, mIdx: cute.Tensor, mLen: cute.Tensor, mOut: cute.Tensor,
                mLength: cute.Tensor, K: cutlass.Int32, S: cutlass.Int32,
                SharedStorage: cutlass.Constexpr):
-        G, W = self.group, self.words
+        G, W, TABLE = self.group, self.words, self.table
         tidx, _, _ = cute.arch.thread_idx()
         gid, _, _ = cute.arch.block_idx()
         lane = tidx % 32
@@ -168,7 +173,7 @@ class GroupUnionSm90:
             mLength[gid] = length
 
 
-def compile_group_union(group: int):
+def compile_group_union(group: int, table: int = TABLES[-1]):
     """Compile with shape-only tensors: idx (B*T*K,), topk_length (B*T,), out (n_groups*G*K,),
     length (n_groups,), all int32."""
     n_idx, n_tok, n_out, n_groups = (cute.sym_int64() for _ in range(4))
@@ -177,5 +182,5 @@ def compile_group_union(group: int):
     out = make_fake_compact_tensor(cutlass.Int32, (n_out,), assumed_align=4)
     length = make_fake_compact_tensor(cutlass.Int32, (n_groups,), assumed_align=4)
     i32 = cutlass.Int32(1)
-    return cute.compile(GroupUnionSm90(group), idx, lengths, out, length, i32, i32, i32,
+    return cute.compile(GroupUnionSm90(group, table), idx, lengths, out, length, i32, i32, i32,
                         make_fake_stream())
