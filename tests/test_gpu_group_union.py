@@ -24,10 +24,11 @@ CASES = [
     (1, 4, 100, 7, 4, "random"),  # S < K / G: every row in every list several times
     (2, 10, 640, 4096, 2, "benchmark"),  # G = 2 (H = 32)
     (1, 6, 3072, 3000, 2, "random"),  # G * K = 6144 at G = 2
-    # the smaller tables at their capacity (3/4 full), rows colliding modulo the table
-    (1, 8, 384, 50000, 4, "random"),  # G * K = 1536: the 2048-slot table
-    (1, 8, 768, 100000, 4, "random"),  # 3072: the 4096-slot table
-    (1, 8, 769, 100000, 4, "random"),  # 3076: the 8192-slot one
+    # the smaller tables (S <= the table) at their capacity (3/4 full), and just beyond it
+    (1, 8, 384, 2000, 4, "random"),  # G * K = 1536: the 2048-slot table
+    (1, 8, 768, 4000, 4, "random"),  # 3072: the 4096-slot table
+    (1, 8, 769, 4000, 4, "random"),  # 3076: the 8192-slot one
+    (1, 8, 100, 3000, 4, "random"),  # S > 2048: the 4096-slot table
 ]
 
 

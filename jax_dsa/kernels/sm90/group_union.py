@@ -24,9 +24,12 @@ a group never spans two batch rows), a hash table in shared memory:
      time, 86 us.)
 Rows land at slot row mod TABLE (or the next free one), so the output is close to row order
 for S <= TABLE. Load factor <= G * K / TABLE <= 0.75: each group size is exported with every
-table size of TABLES, and the handler runs the smallest whose capacity (3/4 of it) holds G * K
-(clearing and scanning the table is most of the work: at H = 32, G * K = 1280, the 8192-slot
-table took 76 us per call). CAPACITY (the largest) is the bound on G * K.
+table size of TABLES, and the handler runs the smallest that holds G * K at that load and has
+S <= TABLE (no two rows share a home slot), the largest if S exceeds them all. Clearing and
+scanning the table is most of the work (at H = 32, G * K = 1280: 76 us per call with 8192
+slots), but a table smaller than S is slower still: rows r and r + TABLE collide and the
+window's consecutive rows fill one long probe run (2048 slots at S = 4096: 0.40 ms).
+CAPACITY (3/4 of the largest table) is the bound on G * K.
 """
 
 import cutlass
