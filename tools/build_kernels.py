@@ -48,10 +48,7 @@ BWD_VARIANTS = {
 # ones measured slower, e.g. ws2c and wgc, were removed: git history).
 # (ws2q and wgt became the v11 defaults, wgk3 the v12 one; wga, wgk2, ws2u, ws2v and ws2uv
 # measured no faster: docs/performance.md.)
-EXPERIMENTAL_FWD = {
-    # ws2 with 0 R / 1 L released per 16-key quarter of the SS P V (Dqk 512; 576 = ws2)
-    "ws2k": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"quarter_release": True}),
-}
+EXPERIMENTAL_FWD = {}
 EXPERIMENTAL_BWD = {}
 # The grouped backward (v13 default at H = 16 and 8; jax_dsa._core._backward_group): G tokens of
 # 64 / G heads run as one 64-row token over the union of their lists (jax_dsa.grouping), called

@@ -115,19 +115,11 @@ LAZY_RESCALE_LOG2 = 8.0
 # mbarrier slots
 FULL_0L, FULL_0R, FULL_1L, FULL_1R = 0, 1, 2, 3
 EMPTY_0L, EMPTY_0R, EMPTY_1L, EMPTY_1R = 4, 5, 6, 7
-# quarter_release: 0 R and 1 L released per 16-key quarter (k-step of the SS P V that reads them)
-EMPTY_0R_Q, EMPTY_1L_Q = 8, 12
 
 
 class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
-    def __init__(self, dtype, d_qk: int, d_v: int = 512, quarter_release: bool = False):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512):
         super().__init__(dtype, d_qk, d_v)
-        # Candidate "ws2k": the halves whose last reader is an SS P V (0 R: WG1's, 1 L: WG0's)
-        # are released per 16-key quarter as each k-step of that P V completes, and the
-        # producer refills them quarter by quarter, instead of 32 KB at once when the whole P V
-        # has ended (they are the two fills the next pair's Q K^T waits for). Dqk 512 only: at
-        # 576 P0 lives in stage 0's rope columns, which every k-step of WG1's SS P V reads.
-        self.quarter = quarter_release and not self.p_in_rope
         self.bn_g = self.bn  # each owner scores all 64 keys of its block
         self.half_chunks = self.dv_g // 8  # 16-byte chunks of the L half (32)
         self.k_half = self.dv_g // 16  # k16 steps of Q K^T over the L half (16)
@@ -189,9 +181,7 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
             sValid: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * self.bn], 16]
             sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * self.bm], 16]
             sM: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * self.bm], 16]
-            mbar: cute.struct.Align[
-                cute.struct.MemRange[cutlass.Int64, 16 if self.quarter else 8], 8
-            ]
+            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 8], 8]
 
         qk_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
@@ -268,16 +258,12 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                 stage, is_r = self._fill_half(q)
                 if stage == 0 or has1:
                     slot = 2 * stage + is_r
-                    by_quarter = cutlass.Boolean(False)
-                    if cutlass.const_expr(self.quarter):
-                        by_quarter = m > 0 and (q == 2 or q == 3)  # 0 R, 1 L
-                    if m > 0 and not by_quarter:
+                    if m > 0:
                         cute.arch.mbarrier_wait(mbar + 4 + slot, ph)
                     sKs = self._stage(kv_sw, sKV_layout, stage)
                     self._fill_rows(mKV, sKs, sValid, cp_atom, cur0, cur1, stage, q,
                                     prow, self.p_rows, npass, S, kv_batch, psub, is_r * hc,
-                                    n_l + is_r * (n_r - n_l), n_min, n_max,
-                                    by_quarter, mbar + EMPTY_0R_Q + 4 * stage, ph)
+                                    n_l + is_r * (n_r - n_l), n_min, n_max)
                     cute.arch.cp_async_mbarrier_arrive_noinc(mbar + slot)
                     cute.arch.mbarrier_arrive(mbar + slot)
         cute.arch.cp_async_commit_group()
@@ -288,17 +274,12 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                    idx0: cute.Tensor, idx1: cute.Tensor, stage, q,
                    r0, r_step: cutlass.Constexpr, npass: cutlass.Constexpr,
                    S: cutlass.Int32, kv_batch: cutlass.Int64, psub: cutlass.Int32, c_lo, n_c,
-                   n_min: cutlass.Constexpr, n_max: cutlass.Constexpr, by_quarter=None,
-                   quarter_bar=None, ph=None):
+                   n_min: cutlass.Constexpr, n_max: cutlass.Constexpr):
         """One fill of this thread's rows r0 + r_step p of a stage (indices idx<stage>[p]):
         16-byte cp.async of chunks c_lo + psub + 8 i (i < n_c) of valid rows, zeros for invalid
         ones; with the first fill of a stage (q < 2) lane psub 0 also writes the rows' validity
-        flags. by_quarter (quarter_release): pass p (rows 16 p .. 16 p + 15) first waits for
-        the release of that quarter (mbarrier quarter_bar + p, parity ph)."""
+        flags."""
         for p in cutlass.range_constexpr(npass):
-            if cutlass.const_expr(self.quarter):
-                if by_quarter:
-                    cute.arch.mbarrier_wait(quarter_bar + p, ph)
             r = r0 + r_step * p
             row = idx1[p]
             if stage == 0:
@@ -439,9 +420,6 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                 cute.arch.mbarrier_init(mbar + i, 256)  # full: 128 cp.async + 128 plain
             for i in cutlass.range_constexpr(4):
                 cute.arch.mbarrier_init(mbar + 4 + i, 128)  # empty: one consumer group
-            if cutlass.const_expr(self.quarter):
-                for i in cutlass.range_constexpr(8):  # 0 R / 1 L per quarter
-                    cute.arch.mbarrier_init(mbar + EMPTY_0R_Q + i, 128)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         k_eff = cutlass.min(K, cutlass.max(topk_len, 0))
@@ -603,23 +581,14 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                         for k in cutlass.range_constexpr(n_kv):
                             cute.gemm(pv_ss, acc_O, tOrP_oth[None, None, k],
                                       tOrV_oth[None, None, k], acc_O)
-                            if cutlass.const_expr(self.quarter):
-                                warpgroup.commit_group()  # one group per 16-key quarter
-                        if cutlass.const_expr(not self.quarter):
-                            warpgroup.commit_group()
+                        warpgroup.commit_group()
                     # Stage 1 L released when the SS P V ends, not after the next pair's 0 L
                     # fill (ncu v9: WG1's wait for 1 L was its largest stall, 5.4 %). (The same
                     # for WG1's 1 R, a wait before the P0 barrier, made ptxas serialize every
                     # wgmma, C7514.)
-                    if cutlass.const_expr(self.quarter):
-                        for k in cutlass.range_constexpr(n_kv):
-                            warpgroup.wait_group(n_kv - 1 - k)
-                            if m + 1 < n_pairs:
-                                cute.arch.mbarrier_arrive(mbar + EMPTY_1L_Q + k)
                     warpgroup.wait_group(0)
-                    if cutlass.const_expr(not self.quarter):
-                        if m + 1 < n_pairs:
-                            cute.arch.mbarrier_arrive(mbar + EMPTY_1L)
+                    if m + 1 < n_pairs:
+                        cute.arch.mbarrier_arrive(mbar + EMPTY_1L)
                     if m + 1 < n_pairs:  # (then has1 holds)
                         ph = (m + 1) % 2
                         cute.arch.mbarrier_wait(mbar + FULL_0L, ph)
@@ -702,22 +671,12 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                     for k in cutlass.range_constexpr(n_kv):
                         cute.gemm(pv_ss, acc_O, tOrP_oth[None, None, k], tOrV_oth[None, None, k],
                                   acc_O)
-                        if cutlass.const_expr(self.quarter):
-                            warpgroup.commit_group()  # one group per 16-key quarter
-                    if cutlass.const_expr(self.quarter):
-                        if has1:
-                            warpgroup.wait_group(n_kv)  # the RS P V (the oldest group)
-                            cute.arch.mbarrier_arrive(mbar + EMPTY_1R)
-                        for k in cutlass.range_constexpr(n_kv):
-                            warpgroup.wait_group(n_kv - 1 - k)
-                            cute.arch.mbarrier_arrive(mbar + EMPTY_0R_Q + k)
-                    else:
-                        warpgroup.commit_group()
-                        if has1:
-                            warpgroup.wait_group(1)
-                            cute.arch.mbarrier_arrive(mbar + EMPTY_1R)
-                        warpgroup.wait_group(0)
-                        cute.arch.mbarrier_arrive(mbar + EMPTY_0R)
+                    warpgroup.commit_group()
+                    if has1:
+                        warpgroup.wait_group(1)
+                        cute.arch.mbarrier_arrive(mbar + EMPTY_1R)
+                    warpgroup.wait_group(0)
+                    cute.arch.mbarrier_arrive(mbar + EMPTY_0R)
 
             # ---- epilogue (both groups end with the same running max) -------------------
             # (its consumer barrier also orders every wgmma / P tile / Q read of both groups
@@ -726,8 +685,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                            sO_layout, sOg_layout, pv_rs, bt, h0, H, cg, gtid, crow, csub, q_ok)
 
 
-def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512, quarter_release: bool = False):
+def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512):
     """Compile with shape-only tensors (common.fwd_fake_args)."""
-    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v, quarter_release),
+    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v),
                         *fwd_fake_args(dtype, d_qk, d_v))
 
