@@ -46,7 +46,7 @@ BWD_VARIANTS = {
 # Experimental variants (not defaults): built only with --experimental, selected with
 # JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>; their GPU status goes in docs/performance.md (the
 # ones measured slower, e.g. ws2c and wgc, were removed: git history).
-# (ws2q and wgt became the v11 defaults, wgk3 the v12 one; wga, wgk2, ws2u, ws2v and ws2uv
+# (ws2q and wgt became the v11 defaults, wgk3 the v12 one; wga, wgk2, ws2u, ws2v, ws2uv, ws2k
 # measured no faster: docs/performance.md.)
 EXPERIMENTAL_FWD = {}
 EXPERIMENTAL_BWD = {}
