@@ -50,7 +50,7 @@ BWD_VARIANTS = {
 # measured no faster: docs/performance.md.)
 EXPERIMENTAL_FWD = {}
 EXPERIMENTAL_BWD = {}
-# The grouped backward (v13 default at H = 16 and 8; jax_dsa._core._backward_group): G tokens of
+# The grouped backward (default at H = 32, 16 and 8; jax_dsa._core._backward_group): G tokens of
 # 64 / G heads run as one 64-row token over the union of their lists (jax_dsa.grouping), called
 # per call through its own FFI handler. Atomic form only (deterministic=True never groups); each
 # group size also gets its list-union kernel (ffi/group_union.cc).
