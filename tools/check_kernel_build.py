@@ -43,10 +43,9 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import build_kernels  # noqa: E402  (the variant tables)
 
-# The tensor-core instruction each variant must contain (None: not a tensor-core kernel).
-TENSOR_OP = {"fwd:ws": "HGMMA", "fwd:ws2": "HGMMA", "fwd:smallh": "HGMMA", "fwd:smallh2": "HGMMA",
-             "fwd:simt": None,
-             "bwd:wg": "HGMMA", "reduce": None}
+# The tensor-core instruction each variant must contain (None: not a tensor-core kernel); every
+# other fwd: / bwd: variant (candidates, the grouped wgg<G>) is a wgmma kernel.
+TENSOR_OP = {"fwd:simt": None, "reduce": None}
 
 
 def log(msg):
@@ -86,46 +85,34 @@ def sass_facts(sass):
     return ops, wide
 
 
-def jobs(variants, experimental):
-    """(name, export prefix, compile thunk, deterministic) for every requested specialization."""
-    import cutlass
+def variant_of(prefix):
+    """(variant name, deterministic) of an export prefix of build_kernels.export_jobs: fwd:<tag>,
+    bwd:<tag> (its "det" form: deterministic), reduce or union:<G>."""
+    if prefix.startswith("jax_dsa_fwd"):
+        return "fwd:" + prefix[len("jax_dsa_fwd"):].split("_")[0], False
+    if prefix.startswith("jax_dsa_bwd"):
+        tag = prefix[len("jax_dsa_bwd"):].split("_")[0]
+        det = tag.endswith("det")
+        return "bwd:" + (tag[:-3] if det else tag), det
+    if prefix.startswith("jax_dsa_dkvreduce"):
+        return "reduce", False
+    if prefix.startswith("jax_dsa_groupunion_g"):
+        return "union:" + prefix[len("jax_dsa_groupunion_g"):].split("_")[0], False
+    raise ValueError(f"unknown export prefix {prefix!r}")
 
-    dtypes = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
-    tables = {"fwd": dict(build_kernels.FWD_VARIANTS),
-              "bwd": {**build_kernels.BWD_VARIANTS, **build_kernels.GROUPED_BWD}}
-    if experimental:
-        tables["fwd"].update(build_kernels.EXPERIMENTAL_FWD)
-        tables["bwd"].update(build_kernels.EXPERIMENTAL_BWD)
-    if not variants:
-        variants = [f"fwd:{t}" for t in tables["fwd"]] + [f"bwd:{t}" for t in tables["bwd"]]
-        variants.append("reduce")
-        variants += [f"union:{g}" for g in build_kernels.union_groups(experimental)]
-    out = []
-    for v in variants:
-        if v == "reduce":
-            from jax_dsa.kernels.sm90.sparse_mla_dkv_reduce import compile_dkv_reduce
-            for d in (512, 576):
-                out.append((v, f"jax_dsa_dkvreduce_d{d}", lambda d=d: compile_dkv_reduce(d), False))
-            continue
-        if v.startswith("union:"):
-            for prefix, thunk in build_kernels.union_exports([int(v.partition(":")[2])]):
-                out.append((v, prefix, thunk, False))
-            continue
-        kind, _, tag = v.partition(":")
-        if kind not in tables or tag not in tables[kind]:
-            raise SystemExit(f"unknown variant {v!r}; known: "
-                             + ", ".join(f"{k}:{t}" for k in tables for t in tables[k]))
-        fn = build_kernels.compile_fn(*tables[kind][tag])
-        for dname, d in build_kernels.FWD_SPECS:
-            if kind == "fwd":
-                out.append((v, f"jax_dsa_fwd{tag}_{dname}_d{d}",
-                            lambda fn=fn, dt=dtypes[dname], d=d: fn(dt, d), False))
-            else:
-                for det in build_kernels.bwd_forms(tables[kind][tag]):
-                    out.append((v, f"jax_dsa_bwd{tag}{'det' if det else ''}_{dname}_d{d}",
-                                lambda fn=fn, dt=dtypes[dname], d=d, det=det:
-                                fn(dt, d, deterministic=det), det))
-    return out
+
+def jobs(variants, experimental):
+    """(name, export prefix, compile thunk, deterministic) for every requested specialization
+    (default: all), taken from the build's own list (build_kernels.export_jobs)."""
+    out = [(*variant_of(prefix), prefix, thunk)
+           for prefix, thunk in build_kernels.export_jobs(experimental)]
+    known = list(dict.fromkeys(v for v, *_ in out))
+    unknown = [v for v in variants if v not in known]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {', '.join(unknown)}; known: " + ", ".join(known)
+                         + ("" if experimental else " (candidates need --experimental)"))
+    return [(v, prefix, thunk, det) for v, det, prefix, thunk in out
+            if not variants or v in variants]
 
 
 def main():
@@ -192,7 +179,7 @@ def main():
                  f"BAR {ops['BAR']}, LDL/STL {ops['LDL']}/{ops['STL']}, RED/STG {dict(wide)}")
         log(line)
         summary.append(line)
-        need = TENSOR_OP.get(variant)
+        need = TENSOR_OP.get(variant, "HGMMA" if variant[:4] in ("fwd:", "bwd:") else None)
         if need and not ops[need]:
             problems.append(f"{prefix}: no {need} in the SASS")
         if ops["HGMMA"] > 2 and ops["HGMMA>DEPBAR"] >= ops["HGMMA"]:
