@@ -50,11 +50,11 @@ def _backward_group(q_shape, k: int, s_rows: int, deterministic: bool) -> int:
 
   By default G = 64 / H at H = 32 (G = 2), H = 16 (G = 4) and H = 8 (G = 8): the tokens' index
   lists overlap (the window), so the union carries fewer rows than the lists and the dkv
-  atomics, the H <= 64 kernel's floor, shrink with it (docs/performance.md). Only calls the grouped kernel can serve
-  (_grouping_problem) whose union the list-union kernel computes (G * K <= UNION_CAPACITY) are
-  grouped; the others run the plain kernel. JAX_DSA_BWD_IMPL=wgg<G> groups every call it can
-  by G (the union by XLA beyond the union kernel); any other forced variant (e.g. "wg") never
-  groups."""
+  atomics, the H <= 64 kernel's floor, shrink with it (docs/performance.md). Only calls the
+  grouped kernel can serve (_grouping_problem) whose union the list-union kernel computes
+  (G * K <= UNION_CAPACITY) are grouped; the others run the plain kernel.
+  JAX_DSA_BWD_IMPL=wgg<G> groups every call it can by G (the union by XLA beyond the union
+  kernel); any other forced variant (e.g. "wg") never groups."""
   forced = _forced_bwd_impl()
   if forced.startswith("wgg") and forced[3:].isdigit():
     group = int(forced[3:])
