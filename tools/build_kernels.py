@@ -49,7 +49,10 @@ BWD_VARIANTS = {
 # (ws2q and wgt became the v11 defaults, wgk3 the v12 one; wga, wgk2, ws2u, ws2v, ws2uv, ws2k
 # measured no faster: docs/performance.md.)
 EXPERIMENTAL_FWD = {}
-EXPERIMENTAL_BWD = {}
+EXPERIMENTAL_BWD = {
+    # the dKV chunks as one rolling pipeline (chunk c + 1's MMA under chunk c's scatter)
+    "wgr": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"rolling_chunks": True}),
+}
 # The grouped backward (default at H = 32, 16 and 8; jax_dsa._core._backward_group): G tokens of
 # 64 / G heads run as one 64-row token over the union of their lists (jax_dsa.grouping), called
 # per call through its own FFI handler. Atomic form only (deterministic=True never groups); each

@@ -160,7 +160,7 @@ DS_EMPTY = 2
 
 class SparseMlaBwdWgmmaSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                 wg0_chunks: int | None = None, group: int = 1):
+                 wg0_chunks: int | None = None, group: int = 1, rolling_chunks: bool = False):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -209,6 +209,10 @@ class SparseMlaBwdWgmmaSm90:
         # [B, T / group, 64, D] (contiguous) and keeps S < 2^GROUP_SHIFT.
         assert group in (1, 2, 4, 8)
         self.group = group
+        # Candidate "wgr" (Dqk 512): _dkv_block as one unrolled rolling pipeline, chunk c + 1's
+        # MMA issued before chunk c's scatter for every c, instead of chunk pairs (whose second
+        # scatter, and the first MMA of the next pair, overlap nothing).
+        self.rolling = rolling_chunks and self.rope == 0
 
 
     # ---------------------------------------------------------------- host side
@@ -797,22 +801,39 @@ class SparseMlaBwdWgmmaSm90:
         # is in flight across the runtime loop's back edge: ptxas would serialize them, C7514).
         # Dqk 576 keeps one chunk at a time: WG1's rope dQ accumulator leaves no room for a
         # second 64 x 64 one (ptxas spills).
-        n_pairs = (ch_hi - ch_lo) // 2 if self.rope == 0 else 0
-        for i in cutlass.range(n_pairs, unroll=1):
-            ch = ch_lo + 2 * i
-            acc0 = self._dkv_issue(dkv_mma, thr_kv, acc_kv_shape, tKrDS, tKrP, q_sw, do_sw,
-                                   sTt_layout, kh, ch)
-            acc1 = self._dkv_issue(dkv_mma, thr_kv, acc_kv_shape, tKrDS, tKrP, q_sw, do_sw,
-                                   sTt_layout, kh, ch + 1)
-            warpgroup.wait_group(1)
-            self._scatter_any(acc0, lane, rows, g_bases, ch, out_scale, mDKV, scr)
-            warpgroup.wait_group(0)
-            self._scatter_any(acc1, lane, rows, g_bases, ch + 1, out_scale, mDKV, scr)
-        for ch in cutlass.range(ch_lo + 2 * n_pairs, ch_hi, unroll=1):
-            acc = self._dkv_issue(dkv_mma, thr_kv, acc_kv_shape, tKrDS, tKrP, q_sw, do_sw,
-                                  sTt_layout, kh, ch)
-            warpgroup.wait_group(0)
-            self._scatter_any(acc, lane, rows, g_bases, ch, out_scale, mDKV, scr)
+        if cutlass.const_expr(self.rolling):
+            # acc(c + 1) is issued into the other accumulator (its previous chunk, c - 1, was
+            # scattered in the step before) and runs under scatter(c); all straight-line, so
+            # no wgmma is in flight across a loop back edge
+            accs = [self._dkv_issue(dkv_mma, thr_kv, acc_kv_shape, tKrDS, tKrP, q_sw, do_sw,
+                                    sTt_layout, kh, ch_lo), None]
+            for ch in cutlass.range_constexpr(ch_lo, ch_hi):
+                if cutlass.const_expr(ch + 1 < ch_hi):
+                    accs[(ch + 1 - ch_lo) % 2] = self._dkv_issue(
+                        dkv_mma, thr_kv, acc_kv_shape, tKrDS, tKrP, q_sw, do_sw, sTt_layout, kh,
+                        ch + 1)
+                    warpgroup.wait_group(1)
+                else:
+                    warpgroup.wait_group(0)
+                self._scatter_any(accs[(ch - ch_lo) % 2], lane, rows, g_bases, ch, out_scale,
+                                  mDKV, scr)
+        else:
+            n_pairs = (ch_hi - ch_lo) // 2 if self.rope == 0 else 0
+            for i in cutlass.range(n_pairs, unroll=1):
+                ch = ch_lo + 2 * i
+                acc0 = self._dkv_issue(dkv_mma, thr_kv, acc_kv_shape, tKrDS, tKrP, q_sw, do_sw,
+                                       sTt_layout, kh, ch)
+                acc1 = self._dkv_issue(dkv_mma, thr_kv, acc_kv_shape, tKrDS, tKrP, q_sw, do_sw,
+                                       sTt_layout, kh, ch + 1)
+                warpgroup.wait_group(1)
+                self._scatter_any(acc0, lane, rows, g_bases, ch, out_scale, mDKV, scr)
+                warpgroup.wait_group(0)
+                self._scatter_any(acc1, lane, rows, g_bases, ch + 1, out_scale, mDKV, scr)
+            for ch in cutlass.range(ch_lo + 2 * n_pairs, ch_hi, unroll=1):
+                acc = self._dkv_issue(dkv_mma, thr_kv, acc_kv_shape, tKrDS, tKrP, q_sw, do_sw,
+                                      sTt_layout, kh, ch)
+                warpgroup.wait_group(0)
+                self._scatter_any(acc, lane, rows, g_bases, ch, out_scale, mDKV, scr)
 
     @cute.jit
     def _dkv_issue(self, dkv_mma: cute.TiledMma, thr_kv, acc_kv_shape, tKrDS: cute.Tensor,
@@ -952,9 +973,9 @@ class SparseMlaBwdWgmmaSm90:
 # -------------------------------------------------------------------- AOT compile entry
 def compile_bwd_wgmma(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
                       options: str | None = None, wg0_chunks: int | None = None,
-                      group: int = 1):
+                      group: int = 1, rolling_chunks: bool = False):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
     return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks,
-                                              group),
+                                              group, rolling_chunks),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))
