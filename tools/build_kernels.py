@@ -52,6 +52,11 @@ EXPERIMENTAL_FWD = {}
 EXPERIMENTAL_BWD = {
     # the dKV chunks as one rolling pipeline (chunk c + 1's MMA under chunk c's scatter)
     "wgr": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"rolling_chunks": True}),
+    # ... with WG0 taking 2 or 4 of the 8 chunks (3 was tuned for the chunk pairs)
+    "wgr2": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma",
+             {"rolling_chunks": True, "wg0_chunks": 2}),
+    "wgr4": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma",
+             {"rolling_chunks": True, "wg0_chunks": 4}),
 }
 # The grouped backward (default at H = 32, 16 and 8; jax_dsa._core._backward_group): G tokens of
 # 64 / G heads run as one 64-row token over the union of their lists (jax_dsa.grouping), called
