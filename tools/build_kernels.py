@@ -2,6 +2,7 @@
 """Ahead-of-time build of jax_dsa's GPU kernels into one self-contained shared library.
 
     CUTE_DSL_ARCH=sm_90a python tools/build_kernels.py --out jax_dsa/_lib
+    ... --experimental --only wgr --add   # candidates added to the exports already built
 
 1. compiles every kernel specialization with CuTe DSL (no GPU needed) and exports each with
    `export_to_c` (a header + a PIC object holding the cubin) into --build-dir;
@@ -245,6 +246,9 @@ def main():
                          "most 4)")
     ap.add_argument("--relink", action="store_true",
                     help="reuse the kernel exports already in --build-dir (after an edit of ffi/)")
+    ap.add_argument("--add", action="store_true",
+                    help="export the --only selection (e.g. --experimental --only wgr) into "
+                         "--build-dir next to the exports already there, then link them all")
     args = ap.parse_args()
 
     arch = os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -253,7 +257,7 @@ def main():
     t_start = time.time()
     os.makedirs(args.build_dir, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
-    if not args.relink:
+    if not args.relink and not args.add:
         for ext in ("*.h", "*.o", "*.map"):  # stale exports would otherwise be linked in
             for stale in glob.glob(os.path.join(args.build_dir, ext)):
                 os.remove(stale)
@@ -265,7 +269,9 @@ def main():
     dialect_rt = find_dialect_runtime()
     log(f"CUDA headers {cuda_inc}; cudart {cudart}; dialect runtime {dialect_rt}")
 
-    if args.relink:
+    if args.add:
+        export_kernels(args.build_dir, args.only, args.experimental, args.jobs)
+    if args.relink or args.add:
         prefixes = [os.path.basename(h)[:-2] for h in glob.glob(os.path.join(args.build_dir, "*.h"))
                     if os.path.basename(h).startswith("jax_dsa_") and h.endswith(".h")
                     and not h.endswith("jax_dsa_kernels.h")]
