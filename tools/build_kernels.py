@@ -180,7 +180,7 @@ def export_jobs(experimental=False):
 
 def union_exports(groups):
     """[(export prefix, compile thunk)] of the list-union kernels: each group size with every
-    hash-table size (group_union.TABLES; the handler picks the smallest that holds G * K)."""
+    hash-table size (group_union.TABLES; the handler picks per call, ffi/group_union.cc)."""
     if not groups:
         return []
     from jax_dsa.kernels.sm90.group_union import TABLES, compile_group_union
