@@ -2,7 +2,7 @@
 """Ahead-of-time build of jax_dsa's GPU kernels into one self-contained shared library.
 
     CUTE_DSL_ARCH=sm_90a python tools/build_kernels.py --out jax_dsa/_lib
-    ... --experimental --only wgr --add   # candidates added to the exports already built
+    ... --experimental --only wgp --add   # candidates added to the exports already built
 
 1. compiles every kernel specialization with CuTe DSL (no GPU needed) and exports each with
    `export_to_c` (a header + a PIC object holding the cubin) into --build-dir;
@@ -47,17 +47,12 @@ BWD_VARIANTS = {
 # Experimental variants (not defaults): built only with --experimental, selected with
 # JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>; their GPU status goes in docs/performance.md (the
 # ones measured slower, e.g. ws2c and wgc, were removed: git history).
-# (ws2q and wgt became the v11 defaults, wgk3 the v12 one; wga, wgk2, ws2u, ws2v, ws2uv, ws2k
-# measured no faster: docs/performance.md.)
+# (ws2q and wgt became the v11 defaults, wgk3 the v12 one, wgr the v15 one; wga, wgk2, ws2u,
+# ws2v, ws2uv, ws2k, wgr2, wgr4 measured no faster: docs/performance.md.)
 EXPERIMENTAL_FWD = {}
 EXPERIMENTAL_BWD = {
-    # the dKV chunks as one rolling pipeline (chunk c + 1's MMA under chunk c's scatter)
-    "wgr": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"rolling_chunks": True}),
-    # ... with WG0 taking 2 or 4 of the 8 chunks (3 was tuned for the chunk pairs)
-    "wgr2": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma",
-             {"rolling_chunks": True, "wg0_chunks": 2}),
-    "wgr4": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma",
-             {"rolling_chunks": True, "wg0_chunks": 4}),
+    # the v14 dKV chunk pairs instead of the rolling chunk pipeline (the default since v15)
+    "wgp": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"rolling_chunks": False}),
 }
 # The grouped backward (default at H = 32, 16 and 8; jax_dsa._core._backward_group): G tokens of
 # 64 / G heads run as one 64-row token over the union of their lists (jax_dsa.grouping), called
@@ -247,7 +242,7 @@ def main():
     ap.add_argument("--relink", action="store_true",
                     help="reuse the kernel exports already in --build-dir (after an edit of ffi/)")
     ap.add_argument("--add", action="store_true",
-                    help="export the --only selection (e.g. --experimental --only wgr) into "
+                    help="export the --only selection (e.g. --experimental --only wgp) into "
                          "--build-dir next to the exports already there, then link them all")
     args = ap.parse_args()
 

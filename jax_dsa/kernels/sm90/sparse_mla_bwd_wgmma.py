@@ -160,7 +160,7 @@ DS_EMPTY = 2
 
 class SparseMlaBwdWgmmaSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                 wg0_chunks: int | None = None, group: int = 1, rolling_chunks: bool = False):
+                 wg0_chunks: int | None = None, group: int = 1, rolling_chunks: bool = True):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -209,9 +209,11 @@ class SparseMlaBwdWgmmaSm90:
         # [B, T / group, 64, D] (contiguous) and keeps S < 2^GROUP_SHIFT.
         assert group in (1, 2, 4, 8)
         self.group = group
-        # Candidate "wgr" (Dqk 512): _dkv_block as one unrolled rolling pipeline, chunk c + 1's
-        # MMA issued before chunk c's scatter for every c, instead of chunk pairs (whose second
-        # scatter, and the first MMA of the next pair, overlap nothing).
+        # Dqk 512 (v15, was candidate "wgr"): _dkv_block as one unrolled rolling pipeline, chunk
+        # c + 1's MMA issued before chunk c's scatter for every c, instead of chunk pairs (whose
+        # second scatter, and the first MMA of the next pair, overlap nothing). 3-round A/B on
+        # the H200: 0.982 / 0.980 / 0.983 of the pairs at H=64 / 128 / 128 K=1152; with WG0
+        # taking 2 or 4 chunks instead of 3, 1.00-1.02 (no gain).
         self.rolling = rolling_chunks and self.rope == 0
 
 
@@ -973,7 +975,7 @@ class SparseMlaBwdWgmmaSm90:
 # -------------------------------------------------------------------- AOT compile entry
 def compile_bwd_wgmma(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
                       options: str | None = None, wg0_chunks: int | None = None,
-                      group: int = 1, rolling_chunks: bool = False):
+                      group: int = 1, rolling_chunks: bool = True):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
     return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks,
