@@ -106,7 +106,6 @@ BAR_M0 = 2  # WG0's new row max published (WG0 arrives, WG1 syncs)
 BAR_M1 = 3  # WG1's final row max published (WG1 arrives, WG0 syncs)
 BAR_P0 = 4  # WG0's P tile (rescaled to the pair max) in shared memory
 BAR_P1 = 5  # WG1's P tile in shared memory
-BAR_WG1 = 6  # WG1 alone (early_p0: its warps' "pair max moved" flags written)
 
 # Lazy rescaling (as FA4 does on Blackwell): a row keeps its reference max while a new block's max
 # exceeds it by at most this much (log2 units), so P <= 2^8 and O / the row sums are rescaled
@@ -116,19 +115,11 @@ LAZY_RESCALE_LOG2 = 8.0
 # mbarrier slots
 FULL_0L, FULL_0R, FULL_1L, FULL_1R = 0, 1, 2, 3
 EMPTY_0L, EMPTY_0R, EMPTY_1L, EMPTY_1R = 4, 5, 6, 7
-P0_SPEC = 8  # early_p0: WG0's P0 tile (relative to its own max m0) in shared memory
 
 
 class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
-    def __init__(self, dtype, d_qk: int, d_v: int = 512, early_p0: bool = False):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512):
         super().__init__(dtype, d_qk, d_v)
-        # Candidate "ws2s": WG1 reads WG0's speculatively stored P0 (relative to m0) as soon as
-        # it is stored (mbarrier P0_SPEC, arrived after WG0's RS P V issue) whenever no row of
-        # the pair moved its max (m1 == m0 for all 64 rows, the common case under lazy
-        # rescaling); only when some row moved does it wait for BAR_P0, i.e. for WG0's RS P V,
-        # the M1 wait and the rescaled P0'. WG1 votes "moved" per warp into shared memory
-        # before M1; WG0 reads the same four flags after M1, so both take the same branch.
-        self.early_p0 = early_p0
         self.bn_g = self.bn  # each owner scores all 64 keys of its block
         self.half_chunks = self.dv_g // 8  # 16-byte chunks of the L half (32)
         self.k_half = self.dv_g // 16  # k16 steps of Q K^T over the L half (16)
@@ -179,8 +170,6 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
         P V with P in shared memory."""
         # P tiles: Dqk 576 -> P0 in stage 0's rope columns, only P1 here; Dqk 512 -> both.
         p_elems = cute.cosize(sP_layout) * (1 if self.p_in_rope else 2)
-        early_p0 = self.early_p0
-        n_mbar = 9 if early_p0 else 8
 
         @cute.struct
         class SharedStorage:
@@ -192,9 +181,7 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
             sValid: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * self.bn], 16]
             sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * self.bm], 16]
             sM: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * self.bm], 16]
-            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, n_mbar], 8]
-            if early_p0:  # (only then: the default's layout stays that of v14)
-                sMv: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 8], 16]
+            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 8], 8]
 
         qk_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
@@ -412,7 +399,6 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
         sRed = storage.sRed.get_tensor(cute.make_layout(2 * bm))
         sM = storage.sM.get_tensor(cute.make_layout(2 * bm))
         mbar = storage.mbar.data_ptr()
-        sMv = storage.sMv.get_tensor(cute.make_layout(8)) if cutlass.const_expr(self.early_p0) else None
         stage_elems = cute.cosize(sKV_layout)
         idx_base = bt * cutlass.Int64(K)
         kv_batch = cutlass.Int64(b) * cutlass.Int64(S)
@@ -434,8 +420,6 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                 cute.arch.mbarrier_init(mbar + i, 256)  # full: 128 cp.async + 128 plain
             for i in cutlass.range_constexpr(4):
                 cute.arch.mbarrier_init(mbar + 4 + i, 128)  # empty: one consumer group
-            if cutlass.const_expr(self.early_p0):
-                cute.arch.mbarrier_init(mbar + P0_SPEC, 128)  # WG0
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         k_eff = cutlass.min(K, cutlass.max(topk_len, 0))
@@ -557,9 +541,6 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                         cute.gemm(pv_rs, acc_O, tOrP[None, None, k], tOrV_own[None, None, k],
                                   acc_O)
                     warpgroup.commit_group()
-                    if cutlass.const_expr(self.early_p0):
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        cute.arch.mbarrier_arrive(mbar + P0_SPEC)
                     # Stage 0 L is free once the RS P V is: the producer refills it while this
                     # group waits for WG1's max (v10 "early release").
                     warpgroup.wait_group(0)
@@ -589,17 +570,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                             row_sum[r] = row_sum[r] * mx[r]
                         rP.store(acc_S.load().to(self.dtype))
                         cute.copy(r2s_p, r2s_p.retile(rP), tPsP)
-                    if cutlass.const_expr(self.early_p0):
-                        # WG1 waits for BAR_P0 only if one of its warps saw a row move
-                        fb = (m % 2) * 4
-                        wg_moved = (sMv[fb] | sMv[fb + 1] | sMv[fb + 2] | sMv[fb + 3]) != 0
-                        if wg_moved:
-                            cute.arch.fence_proxy("async.shared", space="cta")
-                            cute.arch.barrier_arrive(barrier_id=BAR_P0,
-                                                     number_of_threads=self.n_cons)
-                    else:
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        cute.arch.barrier_arrive(barrier_id=BAR_P0, number_of_threads=self.n_cons)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.barrier_arrive(barrier_id=BAR_P0, number_of_threads=self.n_cons)
                     # O_0 += P1 V1[:, :256] (P1 from shared memory), left in flight under the
                     # next pair's Q K^T (left columns: stage 0 L is released first).
                     cute.arch.barrier(barrier_id=BAR_P1, number_of_threads=self.n_cons)
@@ -668,15 +640,6 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                     if gtid % 4 == 0:
                         for r in cutlass.range_constexpr(n_rows):
                             sM[bm + tScS[r, 0][0]] = m_own[r]
-                    if cutlass.const_expr(self.early_p0):
-                        # (the same comparison as WG0's pair_moved: m1 != m0)
-                        moved1 = m_own[0] != sM[tScS[0, 0][0]]
-                        for r in cutlass.range_constexpr(1, n_rows):
-                            moved1 = moved1 | (m_own[r] != sM[tScS[r, 0][0]])
-                        moved1 = cute.arch.vote_any_sync(moved1)
-                        if gtid % 32 == 0:
-                            sMv[(m % 2) * 4 + gtid // 32] = (
-                                cutlass.Int32(1) if moved1 else cutlass.Int32(0))
                     cute.arch.barrier_arrive(barrier_id=BAR_M1, number_of_threads=self.n_cons)
                     self._exp_rows(S_mn, O_mn, row_max, row_sum, m_own)
                     for r in cutlass.range_constexpr(n_rows):
@@ -702,14 +665,7 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                         cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.barrier_arrive(barrier_id=BAR_P1, number_of_threads=self.n_cons)
                     # O_1 += P0' V0[:, 256:] (P0' from shared memory).
-                    if cutlass.const_expr(self.early_p0):
-                        cute.arch.mbarrier_wait(mbar + P0_SPEC, ph)
-                        cute.arch.barrier(barrier_id=BAR_WG1, number_of_threads=128)
-                        fb = (m % 2) * 4
-                        if (sMv[fb] | sMv[fb + 1] | sMv[fb + 2] | sMv[fb + 3]) != 0:
-                            cute.arch.barrier(barrier_id=BAR_P0, number_of_threads=self.n_cons)
-                    else:
-                        cute.arch.barrier(barrier_id=BAR_P0, number_of_threads=self.n_cons)
+                    cute.arch.barrier(barrier_id=BAR_P0, number_of_threads=self.n_cons)
                     warpgroup.fence()
                     pv_ss.set(warpgroup.Field.ACCUMULATE, True)
                     for k in cutlass.range_constexpr(n_kv):
@@ -729,8 +685,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                            sO_layout, sOg_layout, pv_rs, bt, h0, H, cg, gtid, crow, csub, q_ok)
 
 
-def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512, early_p0: bool = False):
+def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512):
     """Compile with shape-only tensors (common.fwd_fake_args)."""
-    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v, early_p0),
+    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v),
                         *fwd_fake_args(dtype, d_qk, d_v))
 
