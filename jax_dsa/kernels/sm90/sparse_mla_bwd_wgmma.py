@@ -799,10 +799,11 @@ class SparseMlaBwdWgmmaSm90:
             else:
                 g_bases.append((kv_batch + cutlass.Int64(row)) * cutlass.Int64(self.d_qk))
             rows.append(row)
-        # Chunks in pairs: the second chunk's MMA runs while the first is scattered (no wgmma
-        # is in flight across the runtime loop's back edge: ptxas would serialize them, C7514).
-        # Dqk 576 keeps one chunk at a time: WG1's rope dQ accumulator leaves no room for a
-        # second 64 x 64 one (ptxas spills).
+        # Dqk 512 (default, `rolling`): one straight-line pipeline over the chunks. Otherwise
+        # (candidate `wgp`, v14) chunks in pairs: the second chunk's MMA runs while the first is
+        # scattered (no wgmma is in flight across the runtime loop's back edge: ptxas would
+        # serialize them, C7514). Dqk 576 keeps one chunk at a time: WG1's rope dQ accumulator
+        # leaves no room for a second 64 x 64 one (ptxas spills).
         if cutlass.const_expr(self.rolling):
             # acc(c + 1) is issued into the other accumulator (its previous chunk, c - 1, was
             # scattered in the step before) and runs under scatter(c); all straight-line, so
