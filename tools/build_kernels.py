@@ -52,9 +52,6 @@ BWD_VARIANTS = {
 EXPERIMENTAL_FWD = {
     # ws2 without the consumers' proxy fence after each "full" wait
     "ws2n": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"fence_full": False}),
-    # ws2 with WG1's P1 published after its SS P V is issued (FlashMLA's order)
-    "ws2o": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"p1_after_ss": True}),
-    "ws2no": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"fence_full": False, "p1_after_ss": True}),
 }
 EXPERIMENTAL_BWD = {
     # the v14 dKV chunk pairs instead of the rolling chunk pipeline (the default since v15)

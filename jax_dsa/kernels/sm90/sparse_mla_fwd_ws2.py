@@ -118,14 +118,8 @@ EMPTY_0L, EMPTY_0R, EMPTY_1L, EMPTY_1R = 4, 5, 6, 7
 
 
 class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
-    def __init__(self, dtype, d_qk: int, d_v: int = 512, fence_full: bool = True,
-                 p1_after_ss: bool = False):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512, fence_full: bool = True):
         super().__init__(dtype, d_qk, d_v)
-        # p1_after_ss (candidate "ws2o", FlashMLA's order): WG1 publishes P1 only after issuing
-        # its SS P V on P0', so WG1's SS P V runs before WG0's on the tensor pipe and stage 0 R,
-        # which WG0's next Q K^T needs, is released first (1 L, which WG1 needs after the M0
-        # wait anyway, later).
-        self.p1_after_ss = p1_after_ss
         # fence_full: a consumer runs fence.proxy.async (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC) after
         # each "full" wait, before its wgmma reads the gathered rows. Candidate "ws2n" drops it
         # (as CUTLASS's cp.async + GMMA warp-specialized mainloops and FlashMLA do: the rows
@@ -684,8 +678,7 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                         rP1.store(acc_S.load().to(self.dtype))
                         cute.copy(r2s_p, r2s_p.retile(rP1), tPsP)
                         cute.arch.fence_proxy("async.shared", space="cta")
-                    if cutlass.const_expr(not self.p1_after_ss):
-                        cute.arch.barrier_arrive(barrier_id=BAR_P1, number_of_threads=self.n_cons)
+                    cute.arch.barrier_arrive(barrier_id=BAR_P1, number_of_threads=self.n_cons)
                     # O_1 += P0' V0[:, 256:] (P0' from shared memory).
                     cute.arch.barrier(barrier_id=BAR_P0, number_of_threads=self.n_cons)
                     warpgroup.fence()
@@ -694,8 +687,6 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                         cute.gemm(pv_ss, acc_O, tOrP_oth[None, None, k], tOrV_oth[None, None, k],
                                   acc_O)
                     warpgroup.commit_group()
-                    if cutlass.const_expr(self.p1_after_ss):
-                        cute.arch.barrier_arrive(barrier_id=BAR_P1, number_of_threads=self.n_cons)
                     if has1:
                         warpgroup.wait_group(1)
                         cute.arch.mbarrier_arrive(mbar + EMPTY_1R)
@@ -709,9 +700,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                            sO_layout, sOg_layout, pv_rs, bt, h0, H, cg, gtid, crow, csub, q_ok)
 
 
-def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512, fence_full: bool = True,
-                    p1_after_ss: bool = False):
+def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512, fence_full: bool = True):
     """Compile with shape-only tensors (common.fwd_fake_args)."""
-    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v, fence_full, p1_after_ss),
+    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v, fence_full),
                         *fwd_fake_args(dtype, d_qk, d_v))
 
