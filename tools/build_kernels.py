@@ -49,10 +49,7 @@ BWD_VARIANTS = {
 # ones measured slower, e.g. ws2c and wgc, were removed: git history).
 # (ws2q and wgt became the v11 defaults, wgk3 the v12 one, wgr the v15 one; wga, wgk2, ws2u,
 # ws2v, ws2uv, ws2k, wgr2, wgr4 measured no faster: docs/performance.md.)
-EXPERIMENTAL_FWD = {
-    # ws2 without the consumers' proxy fence after each "full" wait
-    "ws2n": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"fence_full": False}),
-}
+EXPERIMENTAL_FWD = {}
 EXPERIMENTAL_BWD = {
     # the v14 dKV chunk pairs instead of the rolling chunk pipeline (the default since v15)
     "wgp": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"rolling_chunks": False}),

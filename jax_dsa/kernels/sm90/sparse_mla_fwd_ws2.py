@@ -118,14 +118,8 @@ EMPTY_0L, EMPTY_0R, EMPTY_1L, EMPTY_1R = 4, 5, 6, 7
 
 
 class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
-    def __init__(self, dtype, d_qk: int, d_v: int = 512, fence_full: bool = True):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512):
         super().__init__(dtype, d_qk, d_v)
-        # fence_full: a consumer runs fence.proxy.async (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC) after
-        # each "full" wait, before its wgmma reads the gathered rows. Candidate "ws2n" drops it
-        # (as CUTLASS's cp.async + GMMA warp-specialized mainloops and FlashMLA do: the rows
-        # arrive by cp.async, made visible by the mbarrier) and has the producer fence its
-        # plain zero-fill stores of invalid rows itself, before its arrive.
-        self.fence_full = fence_full
         self.bn_g = self.bn  # each owner scores all 64 keys of its block
         self.half_chunks = self.dv_g // 8  # 16-byte chunks of the L half (32)
         self.k_half = self.dv_g // 16  # k16 steps of Q K^T over the L half (16)
@@ -310,9 +304,6 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                         self._chunk(sKs, r, c_lo + psub + self.p_tpr * i).fill(0)
                     elif i < n_c:
                         self._chunk(sKs, r, c_lo + psub + self.p_tpr * i).fill(0)
-                if cutlass.const_expr(not self.fence_full):
-                    # generic-proxy zeros, read by the consumers' wgmma (async proxy)
-                    cute.arch.fence_proxy("async.shared", space="cta")
 
     # ------------------------------------------------------------------ consumer pieces
     @cute.jit
@@ -515,16 +506,14 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                 # (ptxas cannot track that and serializes every wgmma otherwise, C7514).
                 if n_pairs > 0:
                     cute.arch.mbarrier_wait(mbar + FULL_0L, 0)
-                    if cutlass.const_expr(self.fence_full):
-                        cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.fence_proxy("async.shared", space="cta")
                     warpgroup.fence()
                     for k in cutlass.range_constexpr(0, kh):
                         qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
                         cute.gemm(qk_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
                     warpgroup.commit_group()
                     cute.arch.mbarrier_wait(mbar + FULL_0R, 0)
-                    if cutlass.const_expr(self.fence_full):
-                        cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.fence_proxy("async.shared", space="cta")
                     warpgroup.fence()
                     for k in cutlass.range_constexpr(kh, n_k):
                         qk_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -603,16 +592,14 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                     if m + 1 < n_pairs:  # (then has1 holds)
                         ph = (m + 1) % 2
                         cute.arch.mbarrier_wait(mbar + FULL_0L, ph)
-                        if cutlass.const_expr(self.fence_full):
-                            cute.arch.fence_proxy("async.shared", space="cta")
+                        cute.arch.fence_proxy("async.shared", space="cta")
                         warpgroup.fence()
                         for k in cutlass.range_constexpr(0, kh):
                             qk_mma.set(warpgroup.Field.ACCUMULATE, k != 0)
                             cute.gemm(qk_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
                         warpgroup.commit_group()
                         cute.arch.mbarrier_wait(mbar + FULL_0R, ph)
-                        if cutlass.const_expr(self.fence_full):
-                            cute.arch.fence_proxy("async.shared", space="cta")
+                        cute.arch.fence_proxy("async.shared", space="cta")
                         warpgroup.fence()
                         for k in cutlass.range_constexpr(kh, n_k):
                             qk_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -629,16 +616,14 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                     if has1:
                         # S1 = Q K1^T: right columns first (1R is refilled earliest).
                         cute.arch.mbarrier_wait(mbar + FULL_1R, ph)
-                        if cutlass.const_expr(self.fence_full):
-                            cute.arch.fence_proxy("async.shared", space="cta")
+                        cute.arch.fence_proxy("async.shared", space="cta")
                         warpgroup.fence()
                         for k in cutlass.range_constexpr(kh, n_k):
                             qk_mma.set(warpgroup.Field.ACCUMULATE, k != kh)
                             cute.gemm(qk_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
                         warpgroup.commit_group()
                         cute.arch.mbarrier_wait(mbar + FULL_1L, ph)
-                        if cutlass.const_expr(self.fence_full):
-                            cute.arch.fence_proxy("async.shared", space="cta")
+                        cute.arch.fence_proxy("async.shared", space="cta")
                         warpgroup.fence()
                         for k in cutlass.range_constexpr(0, kh):
                             qk_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -700,8 +685,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                            sO_layout, sOg_layout, pv_rs, bt, h0, H, cg, gtid, crow, csub, q_ok)
 
 
-def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512, fence_full: bool = True):
+def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512):
     """Compile with shape-only tensors (common.fwd_fake_args)."""
-    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v, fence_full),
+    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v),
                         *fwd_fake_args(dtype, d_qk, d_v))
 
