@@ -49,7 +49,10 @@ BWD_VARIANTS = {
 # ones measured slower, e.g. ws2c and wgc, were removed: git history).
 # (ws2q and wgt became the v11 defaults, wgk3 the v12 one, wgr the v15 one; wga, wgk2, ws2u,
 # ws2v, ws2uv, ws2k, wgr2, wgr4 measured no faster: docs/performance.md.)
-EXPERIMENTAL_FWD = {}
+EXPERIMENTAL_FWD = {
+    # ws2 with the producer's fills as cp.async runs at constant offsets (_produce_fast)
+    "ws2g": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"fast_fill": True}),
+}
 EXPERIMENTAL_BWD = {
     # the v14 dKV chunk pairs instead of the rolling chunk pipeline (the default since v15)
     "wgp": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"rolling_chunks": False}),

@@ -33,6 +33,27 @@ def _asm(text: str, constraints: str, operands, loc, ip):
     )
 
 
+
+@dsl_user_op
+def cp_async_16_zfill(dst_smem, src_gmem, src_bytes, dst_off: int = 0, src_off: int = 0, *,
+                      loc=None, ip=None):
+    """cp.async.cg of 16 bytes from global src_gmem + src_off to shared dst_smem + dst_off (the
+    constant byte offsets are part of the instruction, so a run of copies needs no address
+    arithmetic); src_bytes = 0 writes 16 zero bytes and reads nothing."""
+    llvm.inline_asm(
+        None,
+        [cutlass.Int32(dst_smem).ir_value(loc=loc, ip=ip),
+         cutlass.Int64(src_gmem).ir_value(loc=loc, ip=ip),
+         cutlass.Int32(src_bytes).ir_value(loc=loc, ip=ip)],
+        f"cp.async.cg.shared.global [$0+{int(dst_off)}], [$1+{int(src_off)}], 16, $2;",
+        "r,l,r,~{memory}",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
 def _ir(x, loc, ip):
     """A pointer's address (toint), or an Int32 / Float32 value, as an MLIR value."""
     if hasattr(x, "toint"):

@@ -98,7 +98,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 import cuda.bindings.driver as cuda
 
-from jax_dsa.kernels.sm90.common import LOG2_E, fwd_fake_args
+from jax_dsa.kernels.sm90.common import LOG2_E, cp_async_16_zfill, fwd_fake_args
 from jax_dsa.kernels.sm90.sparse_mla_fwd_ws import SparseMlaFwdWsSm90
 
 CONSUMER_BAR = 1  # both consumer groups (Q ready, epilogue)
@@ -118,8 +118,16 @@ EMPTY_0L, EMPTY_0R, EMPTY_1L, EMPTY_1R = 4, 5, 6, 7
 
 
 class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
-    def __init__(self, dtype, d_qk: int, d_v: int = 512):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512, fast_fill: bool = False):
         super().__init__(dtype, d_qk, d_v)
+        # fast_fill (candidate "ws2g"): _produce_fast instead of _produce. The SASS of _produce
+        # spends ~390 instructions per half-stage fill (16 LDGSTS: ~20 of swizzled address
+        # arithmetic per copy, one code site with run-time stage / half); a fill of a late
+        # half (0 R, 1 L) sits between a release and the next Q K^T, so its issue time adds to
+        # the pair. _produce_fast computes each row's global address once per block and a
+        # per-thread shared base once per CTA; every copy is one cp.async with constant
+        # offsets, invalid rows zero-filled by src-size 0 (no branch).
+        self.fast_fill = fast_fill
         self.bn_g = self.bn  # each owner scores all 64 keys of its block
         self.half_chunks = self.dv_g // 8  # 16-byte chunks of the L half (32)
         self.k_half = self.dv_g // 16  # k16 steps of Q K^T over the L half (16)
@@ -264,6 +272,87 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                     self._fill_rows(mKV, sKs, sValid, cp_atom, cur0, cur1, stage, q,
                                     prow, self.p_rows, npass, S, kv_batch, psub, is_r * hc,
                                     n_l + is_r * (n_r - n_l), n_min, n_max)
+                    cute.arch.cp_async_mbarrier_arrive_noinc(mbar + slot)
+                    cute.arch.mbarrier_arrive(mbar + slot)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def _row_sources(self, cur: cute.Tensor, src: cute.Tensor, nbytes: cute.Tensor,
+                     kv_addr: cutlass.Int64, kv_batch: cutlass.Int64, S: cutlass.Int32,
+                     gsub: cutlass.Int64):
+        """Per pass p: the global byte address of this thread's first chunk of row cur[p] and
+        16, or (invalid row) the tensor's base and 0: a src-size-0 copy writes zeros."""
+        for p in cutlass.range_constexpr(self.p_passes):
+            row = cur[p]
+            ok = row >= 0 and row < S
+            g = kv_addr + (kv_batch + cutlass.Int64(row)) * cutlass.Int64(self.d_qk * 2) + gsub
+            src[p] = g if ok else kv_addr
+            nbytes[p] = cutlass.Int32(16) if ok else cutlass.Int32(0)
+
+    @cute.jit
+    def _produce_fast(self, mKV: cute.Tensor, mIdx: cute.Tensor, sValid: cute.Tensor,
+                      kv_smem: cutlass.Int32, mbar, n_blocks: cutlass.Int32,
+                      k_eff: cutlass.Int32, S: cutlass.Int32, idx_base: cutlass.Int64,
+                      kv_batch: cutlass.Int64, ptid: cutlass.Int32, pre0, pre1):
+        """_produce with precomputed addresses: the same fills in the same order (0L, 1R, 0R,
+        1L per pair, each after the previous pair's release of that half), the same flags and
+        barrier arrivals. Thread (prow, psub) copies 16-byte chunk psub + 8 i of rows
+        prow + 16 p; in the K-major 128 B-swizzled stage (column tiles of 64 rows x 128 B) that
+        chunk sits at tile i (+4 in the R half), row offset 128 (prow + 16 p), slot
+        psub ^ (prow % 8): one per-thread base plus constants."""
+        psub = ptid % self.p_tpr
+        prow = ptid // self.p_tpr
+        npass = self.p_passes
+        hc = self.half_chunks
+        n_l = hc // self.p_tpr
+        n_r = (self.chunks - hc) // self.p_tpr
+        stage_bytes = self.bn * self.d_qk * 2
+        tile_bytes = self.bn * 128  # one 64-column tile of a stage
+        kv_addr = mKV.iterator.toint()
+        dbase = kv_smem + prow * 128 + ((psub ^ (prow % 8)) * 16)
+        gsub = cutlass.Int64(psub * 16)
+        cur0 = cute.make_rmem_tensor(npass, cutlass.Int32)
+        cur1 = cute.make_rmem_tensor(npass, cutlass.Int32)
+        src0 = cute.make_rmem_tensor(npass, cutlass.Int64)
+        src1 = cute.make_rmem_tensor(npass, cutlass.Int64)
+        nb0 = cute.make_rmem_tensor(npass, cutlass.Int32)
+        nb1 = cute.make_rmem_tensor(npass, cutlass.Int32)
+        n_pairs = (n_blocks + 1) // 2
+        for p in cutlass.range_constexpr(npass):
+            j = prow + self.p_rows * p
+            cur0[p] = pre0[p] if j < k_eff else cutlass.Int32(-1)
+            cur1[p] = pre1[p] if j + self.bn < k_eff else cutlass.Int32(-1)
+        for m in range(n_pairs):
+            has1 = 2 * m + 1 < n_blocks
+            ph = (m + 1) % 2  # parity of the previous pair's release
+            if m > 0:
+                self._load_idx(mIdx, cur0, 2 * m, k_eff, idx_base, prow)
+                self._load_idx(mIdx, cur1, 2 * m + 1, k_eff, idx_base, prow)
+            self._row_sources(cur0, src0, nb0, kv_addr, kv_batch, S, gsub)
+            self._row_sources(cur1, src1, nb1, kv_addr, kv_batch, S, gsub)
+            for q in cutlass.range_constexpr(4):
+                stage = q % 2
+                is_r = 1 if q in (1, 2) else 0
+                if stage == 0 or has1:
+                    slot = 2 * stage + is_r
+                    if m > 0:
+                        cute.arch.mbarrier_wait(mbar + 4 + slot, ph)
+                    src = src0 if stage == 0 else src1
+                    nb = nb0 if stage == 0 else nb1
+                    if cutlass.const_expr(q < 2):  # flags with the first half of each stage
+                        if psub == 0:
+                            for p in cutlass.range_constexpr(npass):
+                                sValid[stage * self.bn + prow + self.p_rows * p] = (
+                                    cutlass.Int32(1) if nb[p] != 0 else cutlass.Int32(0))
+                    n_c = n_r if is_r else n_l
+                    for p in cutlass.range_constexpr(npass):
+                        for i in cutlass.range_constexpr(n_c):
+                            ct = i + (hc // 8 if is_r else 0)
+                            cp_async_16_zfill(
+                                dbase, src[p], nb[p],
+                                stage * stage_bytes + ct * tile_bytes + p * self.p_rows * 128,
+                                ct * 128)
                     cute.arch.cp_async_mbarrier_arrive_noinc(mbar + slot)
                     cute.arch.mbarrier_arrive(mbar + slot)
         cute.arch.cp_async_commit_group()
@@ -429,8 +518,12 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
         if wg == 0:
             # ================================ producer =================================
             cute.arch.setmaxregister_decrease(self.prod_regs)
-            self._produce(mKV, mIdx, sValid, kv_sw, sKV_layout, mbar, n_blocks, k_eff, S,
-                          idx_base, kv_batch, tidx, pre0, pre1)
+            if cutlass.const_expr(self.fast_fill):
+                self._produce_fast(mKV, mIdx, sValid, storage.sKV.data_ptr().toint(), mbar,
+                                   n_blocks, k_eff, S, idx_base, kv_batch, tidx, pre0, pre1)
+            else:
+                self._produce(mKV, mIdx, sValid, kv_sw, sKV_layout, mbar, n_blocks, k_eff, S,
+                              idx_base, kv_batch, tidx, pre0, pre1)
         else:
             # ================================ consumers ================================
             cute.arch.setmaxregister_increase(self.cons_regs)
@@ -685,8 +778,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                            sO_layout, sOg_layout, pv_rs, bt, h0, H, cg, gtid, crow, csub, q_ok)
 
 
-def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512):
+def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512, fast_fill: bool = False):
     """Compile with shape-only tensors (common.fwd_fake_args)."""
-    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v),
+    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v, fast_fill),
                         *fwd_fake_args(dtype, d_qk, d_v))
 
