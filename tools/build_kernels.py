@@ -56,6 +56,8 @@ EXPERIMENTAL_FWD = {
 EXPERIMENTAL_BWD = {
     # the v14 dKV chunk pairs instead of the rolling chunk pipeline (the default since v15)
     "wgp": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"rolling_chunks": False}),
+    # the gathers as cp.async runs at constant offsets (_gather_fast)
+    "wgf": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"fast_gather": True}),
 }
 # The grouped backward (default at H = 32, 16 and 8; jax_dsa._core._backward_group): G tokens of
 # 64 / G heads run as one 64-row token over the union of their lists (jax_dsa.grouping), called

@@ -117,6 +117,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 import cuda.bindings.driver as cuda
 
 from jax_dsa.kernels.sm90.common import (LOG2_E, bwd_fake_args, compile_options,
+                                         cp_async_16_zfill,
                                          red_add_v4_f32, red_add_v4_f32_if, st_global_v4_f32,
                                          st_global_v4_f32_if)
 from jax_dsa.kernels.sm90.scatter_layout import SCRATCH_BYTES, SCRATCH_WARP_FLOATS, scratch_offset
@@ -160,7 +161,8 @@ DS_EMPTY = 2
 
 class SparseMlaBwdWgmmaSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                 wg0_chunks: int | None = None, group: int = 1, rolling_chunks: bool = True):
+                 wg0_chunks: int | None = None, group: int = 1, rolling_chunks: bool = True,
+                 fast_gather: bool = False):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -215,6 +217,12 @@ class SparseMlaBwdWgmmaSm90:
         # the H200: 0.982 / 0.980 / 0.983 of the pairs at H=64 / 128 / 128 K=1152; with WG0
         # taking 2 or 4 chunks instead of 3, 1.00-1.02 (no gain).
         self.rolling = rolling_chunks and self.rope == 0
+        # Candidate "wgf": _gather_fast instead of _gather. The gathers are issued by WG0 / WG1
+        # themselves between the dQ half and the dKV chunks (~190 SASS instructions for 16
+        # LDGSTS: swizzled addresses per copy); with a per-thread shared base and per-row
+        # global addresses every copy is one cp.async at constant offsets, invalid entries
+        # zero-filled by src-size 0.
+        self.fast_gather = fast_gather
 
 
     # ---------------------------------------------------------------- host side
@@ -376,6 +384,44 @@ class SparseMlaBwdWgmmaSm90:
                 for i in cutlass.range_constexpr(n_chunks // self.g_tpr):
                     self._chunk(sKV, r, c_lo + gsub + self.g_tpr * i).fill(0)
 
+    @cute.jit
+    def _gather_fast(self, kv_addr: cutlass.Int64, dbase: cutlass.Int32, idx_r: cute.Tensor,
+                     S: cutlass.Int32, kv_batch: cutlass.Int64, grow: cutlass.Int32,
+                     gsub: cutlass.Int32, c_lo: cutlass.Constexpr, n_chunks: cutlass.Constexpr,
+                     sRow: cute.Tensor, slot, write_rows: cutlass.Constexpr):
+        """_gather with constant-offset copies: chunk gsub + 8 i of row grow + 16 p sits in
+        column tile c_lo / 8 + i, at row offset 128 (grow + 16 p) and swizzle slot
+        gsub ^ (grow % 8) (dbase: that slot of row grow in tile 0)."""
+        for p in cutlass.range_constexpr(self.g_passes):
+            r = grow + self.g_rows * p
+            entry = idx_r[p]
+            row = entry
+            if cutlass.const_expr(self.group > 1):
+                row = entry & ((1 << GROUP_SHIFT) - 1)
+            ok = entry >= 0 and row < S
+            if cutlass.const_expr(write_rows):
+                if gsub == 0:
+                    sRow[slot * self.bn + r] = entry if ok else cutlass.Int32(-1)
+            g = (kv_addr + (kv_batch + cutlass.Int64(row)) * cutlass.Int64(self.d_qk * 2)
+                 + cutlass.Int64(gsub * 16))
+            src = g if ok else kv_addr
+            nbytes = cutlass.Int32(16) if ok else cutlass.Int32(0)
+            for i in cutlass.range_constexpr(n_chunks // self.g_tpr):
+                ct = c_lo // 8 + i
+                cp_async_16_zfill(dbase, src, nbytes,
+                                  ct * (self.bn * 128) + p * self.g_rows * 128, ct * 128)
+
+    @cute.jit
+    def _gather_any(self, mKV, sKV, cp_atom, kv_addr, dbase, idx_r, S, kv_batch, grow, gsub,
+                    c_lo: cutlass.Constexpr, n_chunks: cutlass.Constexpr, sRow, slot,
+                    write_rows: cutlass.Constexpr):
+        if cutlass.const_expr(self.fast_gather):
+            self._gather_fast(kv_addr, dbase, idx_r, S, kv_batch, grow, gsub, c_lo, n_chunks,
+                              sRow, slot, write_rows)
+        else:
+            self._gather(mKV, sKV, cp_atom, idx_r, S, kv_batch, grow, gsub, c_lo, n_chunks,
+                         sRow, slot, write_rows)
+
     # ---------------------------------------------------------------- kernel
     @cute.kernel
     def kernel(
@@ -484,14 +530,16 @@ class SparseMlaBwdWgmmaSm90:
 
         # ---- block 0's indices and gather --------------------------------------------------
         grow, gsub, idx_r = self._gather_mapping(gtid)
+        kv_addr = mKV.iterator.toint()
+        g_dbase = storage.sKV.data_ptr().toint() + grow * 128 + ((gsub ^ (grow % 8)) * 16)
         self._load_idx(mIdx, idx_r, 0, k_eff, idx_base, grow)
         if n_blocks > 0:
             if wg == 0:
-                self._gather(mKV, sKV, cp_atom, idx_r, S, kv_batch, grow, gsub, 0,
-                             self.c0_chunks, sRow, 0, True)
+                self._gather_any(mKV, sKV, cp_atom, kv_addr, g_dbase, idx_r, S, kv_batch, grow,
+                                 gsub, 0, self.c0_chunks, sRow, 0, True)
             else:
-                self._gather(mKV, sKV, cp_atom, idx_r, S, kv_batch, grow, gsub,
-                             self.c0_chunks, self.c1_chunks, sRow, 0, False)
+                self._gather_any(mKV, sKV, cp_atom, kv_addr, g_dbase, idx_r, S, kv_batch, grow,
+                                 gsub, self.c0_chunks, self.c1_chunks, sRow, 0, False)
             cute.arch.cp_async_mbarrier_arrive_noinc(mbar + KV_FULL)
             cute.arch.mbarrier_arrive(mbar + KV_FULL)
         # The forward's O row, same columns as this thread's dO chunks, into registers (for
@@ -644,8 +692,8 @@ class SparseMlaBwdWgmmaSm90:
 
                 # refill columns [0, 256) with block blk + 1 (last reader of them: this dQ)
                 if blk + 1 < n_blocks:
-                    self._gather(mKV, sKV, cp_atom, idx_r, S, kv_batch, grow, gsub, 0,
-                                 self.c0_chunks, sRow, 1 - slot, True)
+                    self._gather_any(mKV, sKV, cp_atom, kv_addr, g_dbase, idx_r, S, kv_batch,
+                                     grow, gsub, 0, self.c0_chunks, sRow, 1 - slot, True)
                     cute.arch.cp_async_mbarrier_arrive_noinc(mbar + KV_FULL)
                     cute.arch.mbarrier_arrive(mbar + KV_FULL)
 
@@ -711,8 +759,9 @@ class SparseMlaBwdWgmmaSm90:
 
                 # refill columns [256, Dqk) with block blk + 1 (last reader: the dQ above)
                 if blk + 1 < n_blocks:
-                    self._gather(mKV, sKV, cp_atom, idx_r, S, kv_batch, grow, gsub,
-                                 self.c0_chunks, self.c1_chunks, sRow, 1 - slot, False)
+                    self._gather_any(mKV, sKV, cp_atom, kv_addr, g_dbase, idx_r, S, kv_batch,
+                                     grow, gsub, self.c0_chunks, self.c1_chunks, sRow,
+                                     1 - slot, False)
                     cute.arch.cp_async_mbarrier_arrive_noinc(mbar + KV_FULL)
                     cute.arch.mbarrier_arrive(mbar + KV_FULL)
 
@@ -976,9 +1025,9 @@ class SparseMlaBwdWgmmaSm90:
 # -------------------------------------------------------------------- AOT compile entry
 def compile_bwd_wgmma(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
                       options: str | None = None, wg0_chunks: int | None = None,
-                      group: int = 1, rolling_chunks: bool = True):
+                      group: int = 1, rolling_chunks: bool = True, fast_gather: bool = False):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
     return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks,
-                                              group, rolling_chunks),
+                                              group, rolling_chunks, fast_gather),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))
