@@ -357,6 +357,24 @@ class SparseMlaBwdWgmmaSm90:
             idx_r[p] = v
 
     @cute.jit
+    def _gather_row(self, idx_r: cute.Tensor, p: cutlass.Constexpr, S: cutlass.Int32,
+                    grow: cutlass.Int32, gsub: cutlass.Int32, sRow: cute.Tensor, slot,
+                    write_rows: cutlass.Constexpr):
+        """Block row r = grow + 16 p of a gather: (r, its kv row, valid); with write_rows lane
+        gsub 0 also records the entry (-1 if invalid) in sRow for the dKV scatter."""
+        r = grow + self.g_rows * p
+        entry = idx_r[p]
+        row = entry
+        if cutlass.const_expr(self.group > 1):
+            row = entry & ((1 << GROUP_SHIFT) - 1)
+        ok = entry >= 0 and row < S
+        if cutlass.const_expr(write_rows):
+            if gsub == 0:
+                # (grouped: the whole entry, bits included; readers decode it)
+                sRow[slot * self.bn + r] = entry if ok else cutlass.Int32(-1)
+        return r, row, ok
+
+    @cute.jit
     def _gather(self, mKV: cute.Tensor, sKV: cute.Tensor, cp_atom: cute.CopyAtom,
                 idx_r: cute.Tensor, S: cutlass.Int32, kv_batch: cutlass.Int64,
                 grow: cutlass.Int32, gsub: cutlass.Int32, c_lo: cutlass.Constexpr,
@@ -365,16 +383,7 @@ class SparseMlaBwdWgmmaSm90:
         """Columns [8 c_lo, 8 (c_lo + n_chunks)) of the block's rows grow + 16 p: 16-byte
         cp.async from kv[b, idx], or zeros for an invalid entry (never read from global)."""
         for p in cutlass.range_constexpr(self.g_passes):
-            r = grow + self.g_rows * p
-            entry = idx_r[p]
-            row = entry
-            if cutlass.const_expr(self.group > 1):
-                row = entry & ((1 << GROUP_SHIFT) - 1)
-            ok = entry >= 0 and row < S
-            if cutlass.const_expr(write_rows):
-                if gsub == 0:
-                    # (grouped: the whole entry, bits included; readers decode it)
-                    sRow[slot * self.bn + r] = entry if ok else cutlass.Int32(-1)
+            r, row, ok = self._gather_row(idx_r, p, S, grow, gsub, sRow, slot, write_rows)
             if ok:
                 g_row = kv_batch + cutlass.Int64(row)
                 for i in cutlass.range_constexpr(n_chunks // self.g_tpr):
@@ -393,15 +402,7 @@ class SparseMlaBwdWgmmaSm90:
         column tile c_lo / 8 + i, at row offset 128 (grow + 16 p) and swizzle slot
         gsub ^ (grow % 8) (dbase: that slot of row grow in tile 0)."""
         for p in cutlass.range_constexpr(self.g_passes):
-            r = grow + self.g_rows * p
-            entry = idx_r[p]
-            row = entry
-            if cutlass.const_expr(self.group > 1):
-                row = entry & ((1 << GROUP_SHIFT) - 1)
-            ok = entry >= 0 and row < S
-            if cutlass.const_expr(write_rows):
-                if gsub == 0:
-                    sRow[slot * self.bn + r] = entry if ok else cutlass.Int32(-1)
+            _, row, ok = self._gather_row(idx_r, p, S, grow, gsub, sRow, slot, write_rows)
             g = (kv_addr + (kv_batch + cutlass.Int64(row)) * cutlass.Int64(self.d_qk * 2)
                  + cutlass.Int64(gsub * 16))
             src = g if ok else kv_addr

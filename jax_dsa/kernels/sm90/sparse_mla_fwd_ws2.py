@@ -217,6 +217,19 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
             dst[p] = v
 
     @cute.jit
+    def _first_pair_indices(self, pre0: cute.Tensor, pre1: cute.Tensor, prow: cutlass.Int32,
+                            k_eff: cutlass.Int32):
+        """The first pair's indices, loaded at the CTA start before k_eff was known, masked
+        now (-1 past k_eff)."""
+        cur0 = cute.make_rmem_tensor(self.p_passes, cutlass.Int32)
+        cur1 = cute.make_rmem_tensor(self.p_passes, cutlass.Int32)
+        for p in cutlass.range_constexpr(self.p_passes):
+            j = prow + self.p_rows * p
+            cur0[p] = pre0[p] if j < k_eff else cutlass.Int32(-1)
+            cur1[p] = pre1[p] if j + self.bn < k_eff else cutlass.Int32(-1)
+        return cur0, cur1
+
+    @cute.jit
     def _fill_half(self, q):
         """Fill q (0..3) of a pair, in the order 0L, 1R, 0R, 1L: (stage, 1 for the R half)."""
         is_r = cutlass.Int32(0)
@@ -246,14 +259,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
             self.dtype,
             num_bits_per_copy=128,
         )
-        cur0 = cute.make_rmem_tensor(npass, cutlass.Int32)
-        cur1 = cute.make_rmem_tensor(npass, cutlass.Int32)
+        cur0, cur1 = self._first_pair_indices(pre0, pre1, prow, k_eff)
         n_pairs = (n_blocks + 1) // 2
-        # the first pair's indices were loaded before k_eff was known: mask them now
-        for p in cutlass.range_constexpr(npass):
-            j = prow + self.p_rows * p
-            cur0[p] = pre0[p] if j < k_eff else cutlass.Int32(-1)
-            cur1[p] = pre1[p] if j + self.bn < k_eff else cutlass.Int32(-1)
         for m in range(n_pairs):
             has1 = 2 * m + 1 < n_blocks
             ph = (m + 1) % 2  # parity of the previous pair's release
@@ -312,17 +319,12 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
         kv_addr = mKV.iterator.toint()
         dbase = kv_smem + prow * 128 + ((psub ^ (prow % 8)) * 16)
         gsub = cutlass.Int64(psub * 16)
-        cur0 = cute.make_rmem_tensor(npass, cutlass.Int32)
-        cur1 = cute.make_rmem_tensor(npass, cutlass.Int32)
+        cur0, cur1 = self._first_pair_indices(pre0, pre1, prow, k_eff)
         src0 = cute.make_rmem_tensor(npass, cutlass.Int64)
         src1 = cute.make_rmem_tensor(npass, cutlass.Int64)
         nb0 = cute.make_rmem_tensor(npass, cutlass.Int32)
         nb1 = cute.make_rmem_tensor(npass, cutlass.Int32)
         n_pairs = (n_blocks + 1) // 2
-        for p in cutlass.range_constexpr(npass):
-            j = prow + self.p_rows * p
-            cur0[p] = pre0[p] if j < k_eff else cutlass.Int32(-1)
-            cur1[p] = pre1[p] if j + self.bn < k_eff else cutlass.Int32(-1)
         for m in range(n_pairs):
             has1 = 2 * m + 1 < n_blocks
             ph = (m + 1) % 2  # parity of the previous pair's release
