@@ -531,8 +531,10 @@ class SparseMlaBwdWgmmaSm90:
 
         # ---- block 0's indices and gather --------------------------------------------------
         grow, gsub, idx_r = self._gather_mapping(gtid)
-        kv_addr = mKV.iterator.toint()
-        g_dbase = storage.sKV.data_ptr().toint() + grow * 128 + ((gsub ^ (grow % 8)) * 16)
+        kv_addr, g_dbase = None, None  # (_gather_fast's bases, only with fast_gather)
+        if cutlass.const_expr(self.fast_gather):
+            kv_addr = mKV.iterator.toint()
+            g_dbase = storage.sKV.data_ptr().toint() + grow * 128 + ((gsub ^ (grow % 8)) * 16)
         self._load_idx(mIdx, idx_r, 0, k_eff, idx_base, grow)
         if n_blocks > 0:
             if wg == 0:
