@@ -47,17 +47,13 @@ BWD_VARIANTS = {
 # Experimental variants (not defaults): built only with --experimental, selected with
 # JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>; their GPU status goes in docs/performance.md (the
 # ones measured slower, e.g. ws2c and wgc, were removed: git history).
-# (ws2q and wgt became the v11 defaults, wgk3 the v12 one, wgr the v15 one; wga, wgk2, ws2u,
-# ws2v, ws2uv, ws2k, wgr2, wgr4 measured no faster: docs/performance.md.)
-EXPERIMENTAL_FWD = {
-    # ws2 with the producer's fills as cp.async runs at constant offsets (_produce_fast)
-    "ws2g": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"fast_fill": True}),
-}
+# (ws2q and wgt became the v11 defaults, wgk3 the v12 one, wgr the v15 one, ws2g and wgf the
+# v16 ones; wga, wgk2, ws2u, ws2v, ws2uv, ws2k, wgr2, wgr4 measured no faster:
+# docs/performance.md.)
+EXPERIMENTAL_FWD = {}
 EXPERIMENTAL_BWD = {
     # the v14 dKV chunk pairs instead of the rolling chunk pipeline (the default since v15)
     "wgp": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"rolling_chunks": False}),
-    # the gathers as cp.async runs at constant offsets (_gather_fast)
-    "wgf": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"fast_gather": True}),
 }
 # The grouped backward (default at H = 32, 16 and 8; jax_dsa._core._backward_group): G tokens of
 # 64 / G heads run as one 64-row token over the union of their lists (jax_dsa.grouping), called

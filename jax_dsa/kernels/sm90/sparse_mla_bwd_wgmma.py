@@ -161,8 +161,7 @@ DS_EMPTY = 2
 
 class SparseMlaBwdWgmmaSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                 wg0_chunks: int | None = None, group: int = 1, rolling_chunks: bool = True,
-                 fast_gather: bool = False):
+                 wg0_chunks: int | None = None, group: int = 1, rolling_chunks: bool = True):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -217,12 +216,6 @@ class SparseMlaBwdWgmmaSm90:
         # the H200: 0.982 / 0.980 / 0.983 of the pairs at H=64 / 128 / 128 K=1152; with WG0
         # taking 2 or 4 chunks instead of 3, 1.00-1.02 (no gain).
         self.rolling = rolling_chunks and self.rope == 0
-        # Candidate "wgf": _gather_fast instead of _gather. The gathers are issued by WG0 / WG1
-        # themselves between the dQ half and the dKV chunks (~190 SASS instructions for 16
-        # LDGSTS: swizzled addresses per copy); with a per-thread shared base and per-row
-        # global addresses every copy is one cp.async at constant offsets, invalid entries
-        # zero-filled by src-size 0.
-        self.fast_gather = fast_gather
 
 
     # ---------------------------------------------------------------- host side
@@ -375,32 +368,17 @@ class SparseMlaBwdWgmmaSm90:
         return r, row, ok
 
     @cute.jit
-    def _gather(self, mKV: cute.Tensor, sKV: cute.Tensor, cp_atom: cute.CopyAtom,
-                idx_r: cute.Tensor, S: cutlass.Int32, kv_batch: cutlass.Int64,
-                grow: cutlass.Int32, gsub: cutlass.Int32, c_lo: cutlass.Constexpr,
-                n_chunks: cutlass.Constexpr, sRow: cute.Tensor, slot,
-                write_rows: cutlass.Constexpr):
+    def _gather(self, kv_addr: cutlass.Int64, dbase: cutlass.Int32, idx_r: cute.Tensor,
+                S: cutlass.Int32, kv_batch: cutlass.Int64, grow: cutlass.Int32,
+                gsub: cutlass.Int32, c_lo: cutlass.Constexpr, n_chunks: cutlass.Constexpr,
+                sRow: cute.Tensor, slot, write_rows: cutlass.Constexpr):
         """Columns [8 c_lo, 8 (c_lo + n_chunks)) of the block's rows grow + 16 p: 16-byte
-        cp.async from kv[b, idx], or zeros for an invalid entry (never read from global)."""
-        for p in cutlass.range_constexpr(self.g_passes):
-            r, row, ok = self._gather_row(idx_r, p, S, grow, gsub, sRow, slot, write_rows)
-            if ok:
-                g_row = kv_batch + cutlass.Int64(row)
-                for i in cutlass.range_constexpr(n_chunks // self.g_tpr):
-                    c = c_lo + gsub + self.g_tpr * i
-                    cute.copy(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKV, r, c))
-            else:
-                for i in cutlass.range_constexpr(n_chunks // self.g_tpr):
-                    self._chunk(sKV, r, c_lo + gsub + self.g_tpr * i).fill(0)
-
-    @cute.jit
-    def _gather_fast(self, kv_addr: cutlass.Int64, dbase: cutlass.Int32, idx_r: cute.Tensor,
-                     S: cutlass.Int32, kv_batch: cutlass.Int64, grow: cutlass.Int32,
-                     gsub: cutlass.Int32, c_lo: cutlass.Constexpr, n_chunks: cutlass.Constexpr,
-                     sRow: cute.Tensor, slot, write_rows: cutlass.Constexpr):
-        """_gather with constant-offset copies: chunk gsub + 8 i of row grow + 16 p sits in
-        column tile c_lo / 8 + i, at row offset 128 (grow + 16 p) and swizzle slot
-        gsub ^ (grow % 8) (dbase: that slot of row grow in tile 0)."""
+        cp.async from kv[b, idx], or zeros for an invalid entry (src-size 0: nothing is read
+        from global). Every copy is one cp.async at constant offsets (v16, was candidate
+        "wgf": ~26-40 SASS instructions around a gather's 16 LDGSTS instead of ~190 of
+        swizzled address arithmetic): chunk gsub + 8 i of row grow + 16 p sits in column tile
+        c_lo / 8 + i, at row offset 128 (grow + 16 p) and swizzle slot gsub ^ (grow % 8)
+        (dbase: that slot of row grow in tile 0; kv_addr: kv's base address)."""
         for p in cutlass.range_constexpr(self.g_passes):
             _, row, ok = self._gather_row(idx_r, p, S, grow, gsub, sRow, slot, write_rows)
             g = (kv_addr + (kv_batch + cutlass.Int64(row)) * cutlass.Int64(self.d_qk * 2)
@@ -411,17 +389,6 @@ class SparseMlaBwdWgmmaSm90:
                 ct = c_lo // 8 + i
                 cp_async_16_zfill(dbase, src, nbytes,
                                   ct * (self.bn * 128) + p * self.g_rows * 128, ct * 128)
-
-    @cute.jit
-    def _gather_any(self, mKV, sKV, cp_atom, kv_addr, dbase, idx_r, S, kv_batch, grow, gsub,
-                    c_lo: cutlass.Constexpr, n_chunks: cutlass.Constexpr, sRow, slot,
-                    write_rows: cutlass.Constexpr):
-        if cutlass.const_expr(self.fast_gather):
-            self._gather_fast(kv_addr, dbase, idx_r, S, kv_batch, grow, gsub, c_lo, n_chunks,
-                              sRow, slot, write_rows)
-        else:
-            self._gather(mKV, sKV, cp_atom, idx_r, S, kv_batch, grow, gsub, c_lo, n_chunks,
-                         sRow, slot, write_rows)
 
     # ---------------------------------------------------------------- kernel
     @cute.kernel
@@ -531,18 +498,16 @@ class SparseMlaBwdWgmmaSm90:
 
         # ---- block 0's indices and gather --------------------------------------------------
         grow, gsub, idx_r = self._gather_mapping(gtid)
-        kv_addr, g_dbase = None, None  # (_gather_fast's bases, only with fast_gather)
-        if cutlass.const_expr(self.fast_gather):
-            kv_addr = mKV.iterator.toint()
-            g_dbase = storage.sKV.data_ptr().toint() + grow * 128 + ((gsub ^ (grow % 8)) * 16)
+        kv_addr = mKV.iterator.toint()
+        g_dbase = storage.sKV.data_ptr().toint() + grow * 128 + ((gsub ^ (grow % 8)) * 16)
         self._load_idx(mIdx, idx_r, 0, k_eff, idx_base, grow)
         if n_blocks > 0:
             if wg == 0:
-                self._gather_any(mKV, sKV, cp_atom, kv_addr, g_dbase, idx_r, S, kv_batch, grow,
-                                 gsub, 0, self.c0_chunks, sRow, 0, True)
+                self._gather(kv_addr, g_dbase, idx_r, S, kv_batch, grow, gsub, 0,
+                             self.c0_chunks, sRow, 0, True)
             else:
-                self._gather_any(mKV, sKV, cp_atom, kv_addr, g_dbase, idx_r, S, kv_batch, grow,
-                                 gsub, self.c0_chunks, self.c1_chunks, sRow, 0, False)
+                self._gather(kv_addr, g_dbase, idx_r, S, kv_batch, grow, gsub,
+                             self.c0_chunks, self.c1_chunks, sRow, 0, False)
             cute.arch.cp_async_mbarrier_arrive_noinc(mbar + KV_FULL)
             cute.arch.mbarrier_arrive(mbar + KV_FULL)
         # The forward's O row, same columns as this thread's dO chunks, into registers (for
@@ -695,8 +660,8 @@ class SparseMlaBwdWgmmaSm90:
 
                 # refill columns [0, 256) with block blk + 1 (last reader of them: this dQ)
                 if blk + 1 < n_blocks:
-                    self._gather_any(mKV, sKV, cp_atom, kv_addr, g_dbase, idx_r, S, kv_batch,
-                                     grow, gsub, 0, self.c0_chunks, sRow, 1 - slot, True)
+                    self._gather(kv_addr, g_dbase, idx_r, S, kv_batch, grow, gsub, 0,
+                                 self.c0_chunks, sRow, 1 - slot, True)
                     cute.arch.cp_async_mbarrier_arrive_noinc(mbar + KV_FULL)
                     cute.arch.mbarrier_arrive(mbar + KV_FULL)
 
@@ -762,9 +727,8 @@ class SparseMlaBwdWgmmaSm90:
 
                 # refill columns [256, Dqk) with block blk + 1 (last reader: the dQ above)
                 if blk + 1 < n_blocks:
-                    self._gather_any(mKV, sKV, cp_atom, kv_addr, g_dbase, idx_r, S, kv_batch,
-                                     grow, gsub, self.c0_chunks, self.c1_chunks, sRow,
-                                     1 - slot, False)
+                    self._gather(kv_addr, g_dbase, idx_r, S, kv_batch, grow, gsub,
+                                 self.c0_chunks, self.c1_chunks, sRow, 1 - slot, False)
                     cute.arch.cp_async_mbarrier_arrive_noinc(mbar + KV_FULL)
                     cute.arch.mbarrier_arrive(mbar + KV_FULL)
 
@@ -1028,9 +992,9 @@ class SparseMlaBwdWgmmaSm90:
 # -------------------------------------------------------------------- AOT compile entry
 def compile_bwd_wgmma(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
                       options: str | None = None, wg0_chunks: int | None = None,
-                      group: int = 1, rolling_chunks: bool = True, fast_gather: bool = False):
+                      group: int = 1, rolling_chunks: bool = True):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
     return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks,
-                                              group, rolling_chunks, fast_gather),
+                                              group, rolling_chunks),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))

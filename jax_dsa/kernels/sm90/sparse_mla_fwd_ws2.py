@@ -95,7 +95,7 @@ barriers still run so that both groups stay in step); 0 blocks: epilogue only.
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 import cuda.bindings.driver as cuda
 
 from jax_dsa.kernels.sm90.common import LOG2_E, cp_async_16_zfill, fwd_fake_args
@@ -118,16 +118,8 @@ EMPTY_0L, EMPTY_0R, EMPTY_1L, EMPTY_1R = 4, 5, 6, 7
 
 
 class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
-    def __init__(self, dtype, d_qk: int, d_v: int = 512, fast_fill: bool = False):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512):
         super().__init__(dtype, d_qk, d_v)
-        # fast_fill (candidate "ws2g"): _produce_fast instead of _produce. The SASS of _produce
-        # spends ~390 instructions per half-stage fill (16 LDGSTS: ~20 of swizzled address
-        # arithmetic per copy, one code site with run-time stage / half); a fill of a late
-        # half (0 R, 1 L) sits between a release and the next Q K^T, so its issue time adds to
-        # the pair. _produce_fast computes each row's global address once per block and a
-        # per-thread shared base once per CTA; every copy is one cp.async with constant
-        # offsets, invalid rows zero-filled by src-size 0 (no branch).
-        self.fast_fill = fast_fill
         self.bn_g = self.bn  # each owner scores all 64 keys of its block
         self.half_chunks = self.dv_g // 8  # 16-byte chunks of the L half (32)
         self.k_half = self.dv_g // 16  # k16 steps of Q K^T over the L half (16)
@@ -240,57 +232,6 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
         return cur0, cur1
 
     @cute.jit
-    def _fill_half(self, q):
-        """Fill q (0..3) of a pair, in the order 0L, 1R, 0R, 1L: (stage, 1 for the R half)."""
-        is_r = cutlass.Int32(0)
-        if q == 1 or q == 2:
-            is_r = cutlass.Int32(1)
-        return q % 2, is_r
-
-    @cute.jit
-    def _produce(self, mKV: cute.Tensor, mIdx: cute.Tensor, sValid: cute.Tensor, kv_sw,
-                 sKV_layout: cute.Layout, mbar, n_blocks: cutlass.Int32, k_eff: cutlass.Int32,
-                 S: cutlass.Int32, idx_base: cutlass.Int64, kv_batch: cutlass.Int64,
-                 ptid: cutlass.Int32, pre0, pre1):
-        """Per pair m: fills 0L, 1R, 0R, 1L (stage 1 only when block 2m+1 exists), each after
-        the matching empty barrier of the previous pair. One code site for the four fills
-        (run-time stage / half) keeps the swizzled chunk addresses in few registers. pre0 /
-        pre1: the first pair's indices, loaded at the CTA start before k_eff was known."""
-        psub = ptid % self.p_tpr
-        prow = ptid // self.p_tpr
-        npass = self.p_passes
-        hc = self.half_chunks
-        n_l = hc // self.p_tpr  # chunks per thread and row in the L half (4)
-        n_r = (self.chunks - hc) // self.p_tpr  # ... in the R half (4, or 5 at Dqk 576)
-        n_min = min(n_l, n_r)
-        n_max = max(n_l, n_r)
-        cp_atom = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-            self.dtype,
-            num_bits_per_copy=128,
-        )
-        cur0, cur1 = self._first_pair_indices(pre0, pre1, prow, k_eff)
-        n_pairs = (n_blocks + 1) // 2
-        for m in range(n_pairs):
-            has1 = 2 * m + 1 < n_blocks
-            ph = (m + 1) % 2  # parity of the previous pair's release
-            self._load_pair_idx(mIdx, cur0, cur1, m, k_eff, idx_base, prow)
-            for q in range(4):
-                stage, is_r = self._fill_half(q)
-                if stage == 0 or has1:
-                    slot = 2 * stage + is_r
-                    if m > 0:
-                        cute.arch.mbarrier_wait(mbar + 4 + slot, ph)
-                    sKs = self._stage(kv_sw, sKV_layout, stage)
-                    self._fill_rows(mKV, sKs, sValid, cp_atom, cur0, cur1, stage, q,
-                                    prow, self.p_rows, npass, S, kv_batch, psub, is_r * hc,
-                                    n_l + is_r * (n_r - n_l), n_min, n_max)
-                    cute.arch.cp_async_mbarrier_arrive_noinc(mbar + slot)
-                    cute.arch.mbarrier_arrive(mbar + slot)
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)
-
-    @cute.jit
     def _row_sources(self, cur: cute.Tensor, src: cute.Tensor, nbytes: cute.Tensor,
                      kv_addr: cutlass.Int64, kv_batch: cutlass.Int64, S: cutlass.Int32,
                      gsub: cutlass.Int64):
@@ -304,16 +245,23 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
             nbytes[p] = cutlass.Int32(16) if ok else cutlass.Int32(0)
 
     @cute.jit
-    def _produce_fast(self, mKV: cute.Tensor, mIdx: cute.Tensor, sValid: cute.Tensor,
-                      kv_smem: cutlass.Int32, mbar, n_blocks: cutlass.Int32,
-                      k_eff: cutlass.Int32, S: cutlass.Int32, idx_base: cutlass.Int64,
-                      kv_batch: cutlass.Int64, ptid: cutlass.Int32, pre0, pre1):
-        """_produce with precomputed addresses: the same fills in the same order (0L, 1R, 0R,
-        1L per pair, each after the previous pair's release of that half), the same flags and
-        barrier arrivals. Thread (prow, psub) copies 16-byte chunk psub + 8 i of rows
-        prow + 16 p; in the K-major 128 B-swizzled stage (column tiles of 64 rows x 128 B) that
-        chunk sits at tile i (+4 in the R half), row offset 128 (prow + 16 p), slot
-        psub ^ (prow % 8): one per-thread base plus constants."""
+    def _produce(self, mKV: cute.Tensor, mIdx: cute.Tensor, sValid: cute.Tensor,
+                 kv_smem: cutlass.Int32, mbar, n_blocks: cutlass.Int32, k_eff: cutlass.Int32,
+                 S: cutlass.Int32, idx_base: cutlass.Int64, kv_batch: cutlass.Int64,
+                 ptid: cutlass.Int32, pre0, pre1):
+        """Per pair m: fills 0L, 1R, 0R, 1L (stage 1 only when block 2m+1 exists), each after
+        the previous pair's release of that half; with the first half of a stage lane psub 0
+        writes the rows' validity flags. pre0 / pre1: the first pair's indices, loaded at the
+        CTA start before k_eff was known.
+
+        Every copy is one cp.async at constant offsets from two registers (v16, was candidate
+        "ws2g": the fills issue ~16 instead of ~390 instructions, and a late half's fill sits
+        on the pair's chain between a release and the next Q K^T). Thread (prow, psub) copies
+        16-byte chunk psub + 8 i of rows prow + 16 p; in the K-major 128 B-swizzled stage
+        (column tiles of 64 rows x 128 B) that chunk sits at tile i (+4 in the R half), row
+        offset 128 (prow + 16 p), slot psub ^ (prow % 8): one per-thread shared base plus
+        constants. Each row's global address is computed once per block; invalid rows copy
+        zeros (src-size 0, no branch)."""
         psub = ptid % self.p_tpr
         prow = ptid // self.p_tpr
         npass = self.p_passes
@@ -363,42 +311,6 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                     cute.arch.mbarrier_arrive(mbar + slot)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
-
-    @cute.jit
-    def _fill_rows(self, mKV: cute.Tensor, sKs: cute.Tensor, sValid: cute.Tensor, cp_atom,
-                   idx0: cute.Tensor, idx1: cute.Tensor, stage, q,
-                   r0, r_step: cutlass.Constexpr, npass: cutlass.Constexpr,
-                   S: cutlass.Int32, kv_batch: cutlass.Int64, psub: cutlass.Int32, c_lo, n_c,
-                   n_min: cutlass.Constexpr, n_max: cutlass.Constexpr):
-        """One fill of this thread's rows r0 + r_step p of a stage (indices idx<stage>[p]):
-        16-byte cp.async of chunks c_lo + psub + 8 i (i < n_c) of valid rows, zeros for invalid
-        ones; with the first fill of a stage (q < 2) lane psub 0 also writes the rows' validity
-        flags."""
-        for p in cutlass.range_constexpr(npass):
-            r = r0 + r_step * p
-            row = idx1[p]
-            if stage == 0:
-                row = idx0[p]
-            ok = row >= 0 and row < S
-            if q < 2 and psub == 0:  # flags with the first half of each stage
-                sValid[stage * self.bn + r] = (
-                    cutlass.Int32(1) if ok else cutlass.Int32(0)
-                )
-            if ok:
-                g_row = kv_batch + cutlass.Int64(row)
-                for i in cutlass.range_constexpr(n_max):
-                    if cutlass.const_expr(i < n_min):
-                        c = c_lo + psub + self.p_tpr * i
-                        cute.copy(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKs, r, c))
-                    elif i < n_c:
-                        c = c_lo + psub + self.p_tpr * i
-                        cute.copy(cp_atom, self._chunk(mKV, g_row, c), self._chunk(sKs, r, c))
-            else:
-                for i in cutlass.range_constexpr(n_max):
-                    if cutlass.const_expr(i < n_min):
-                        self._chunk(sKs, r, c_lo + psub + self.p_tpr * i).fill(0)
-                    elif i < n_c:
-                        self._chunk(sKs, r, c_lo + psub + self.p_tpr * i).fill(0)
 
     # ------------------------------------------------------------------ consumer pieces
     @cute.jit
@@ -524,12 +436,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
         if wg == 0:
             # ================================ producer =================================
             cute.arch.setmaxregister_decrease(self.prod_regs)
-            if cutlass.const_expr(self.fast_fill):
-                self._produce_fast(mKV, mIdx, sValid, storage.sKV.data_ptr().toint(), mbar,
-                                   n_blocks, k_eff, S, idx_base, kv_batch, tidx, pre0, pre1)
-            else:
-                self._produce(mKV, mIdx, sValid, kv_sw, sKV_layout, mbar, n_blocks, k_eff, S,
-                              idx_base, kv_batch, tidx, pre0, pre1)
+            self._produce(mKV, mIdx, sValid, storage.sKV.data_ptr().toint(), mbar, n_blocks,
+                          k_eff, S, idx_base, kv_batch, tidx, pre0, pre1)
         else:
             # ================================ consumers ================================
             cute.arch.setmaxregister_increase(self.cons_regs)
@@ -784,8 +692,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                            sO_layout, sOg_layout, pv_rs, bt, h0, H, cg, gtid, crow, csub, q_ok)
 
 
-def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512, fast_fill: bool = False):
+def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512):
     """Compile with shape-only tensors (common.fwd_fake_args)."""
-    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v, fast_fill),
+    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v),
                         *fwd_fake_args(dtype, d_qk, d_v))
 
