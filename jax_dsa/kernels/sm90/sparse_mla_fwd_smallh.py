@@ -86,11 +86,9 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.cutlass_dsl import dsl_user_op
-from cutlass._mlir.dialects import llvm
 import cuda.bindings.driver as cuda
 
-from jax_dsa.kernels.sm90.common import LN_2, LOG2_E, fwd_fake_args
+from jax_dsa.kernels.sm90.common import LN_2, LOG2_E, cp_async_16_zfill, fwd_fake_args
 
 # Tokens per CTA = ceil(B*T / CTA_TARGET): about 4 waves of 1-CTA-per-SM work on 132 SMs.
 CTA_TARGET = 528
@@ -98,26 +96,6 @@ CTA_TARGET = 528
 SMEM_BUDGET = 232448 - 2048
 SLAB_BYTES = 8192  # 64 keys x 64 columns x 16 bit
 CONSUMER_BAR = 1  # named barrier of the 128 consumer threads (0 is __syncthreads)
-
-
-@dsl_user_op
-def _cp_async_16(dst_smem: cutlass.Int32, src_gmem: cutlass.Int64, src_bytes: cutlass.Int32,
-                 *, loc=None, ip=None):
-    """cp.async.cg 16 bytes global -> shared; src_bytes = 0 writes 16 zero bytes and reads nothing."""
-    llvm.inline_asm(
-        res=None,
-        operands_=[
-            cutlass.Int32(dst_smem).ir_value(loc=loc, ip=ip),
-            cutlass.Int64(src_gmem).ir_value(loc=loc, ip=ip),
-            cutlass.Int32(src_bytes).ir_value(loc=loc, ip=ip),
-        ],
-        asm_string="cp.async.cg.shared.global [$0], [$1], 16, $2;",
-        constraints="r,l,r,~{memory}",
-        has_side_effects=True,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
 
 
 class _SmallHKernel:
@@ -320,7 +298,7 @@ class _SmallHKernel:
                                     * cutlass.Int64(self.d_qk) + cutlass.Int64(8 * ch)
                                 ) * 2
                                 nbytes = cutlass.Int32(16)
-                            _cp_async_16(q_dst + self._sw128(np_, h, ch), src, nbytes)
+                            cp_async_16_zfill(q_dst + self._sw128(np_, h, ch), src, nbytes)
                     cute.arch.cp_async_mbarrier_arrive_noinc(qfull + qb)
 
             for r in cutlass.range(n_rounds, unroll=1):
@@ -355,7 +333,7 @@ class _SmallHKernel:
                             slab = ring_base + pos * SLAB_BYTES
                             for q in cutlass.range_constexpr(4):
                                 # column 64 j = byte 128 j of the row
-                                _cp_async_16(slab + dst_off[q], srcs[4 * c + q] + 128 * j,
+                                cp_async_16_zfill(slab + dst_off[q], srcs[4 * c + q] + 128 * j,
                                              ns[4 * c + q])
                             cute.arch.cp_async_mbarrier_arrive_noinc(full + pos)
                             pos = pos + 1
