@@ -50,7 +50,10 @@ BWD_VARIANTS = {
 # (ws2q and wgt became the v11 defaults, wgk3 the v12 one, wgr the v15 one, ws2g and wgf the
 # v16 ones; wga, wgk2, ws2u, ws2v, ws2uv, ws2k, wgr2, wgr4 measured no faster:
 # docs/performance.md.)
-EXPERIMENTAL_FWD = {}
+EXPERIMENTAL_FWD = {
+    # ws2 with the producer loading pair m + 1's indices during pair m (retry of v4's ws2i)
+    "ws2i": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"prefetch_idx": True}),
+}
 EXPERIMENTAL_BWD = {
     # the v14 dKV chunk pairs instead of the rolling chunk pipeline (the default since v15)
     "wgp": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"rolling_chunks": False}),
