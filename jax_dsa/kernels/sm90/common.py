@@ -40,19 +40,22 @@ def cp_async_16_zfill(dst_smem, src_gmem, src_bytes, dst_off: int = 0, src_off: 
     """cp.async.cg of 16 bytes from global src_gmem + src_off to shared dst_smem + dst_off (the
     constant byte offsets are part of the instruction, so a run of copies needs no address
     arithmetic); src_bytes = 0 writes 16 zero bytes and reads nothing."""
-    llvm.inline_asm(
-        None,
-        [cutlass.Int32(dst_smem).ir_value(loc=loc, ip=ip),
-         cutlass.Int64(src_gmem).ir_value(loc=loc, ip=ip),
-         cutlass.Int32(src_bytes).ir_value(loc=loc, ip=ip)],
-        f"cp.async.cg.shared.global [$0+{int(dst_off)}], [$1+{int(src_off)}], 16, $2;",
-        "r,l,r,~{memory}",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+    _asm(f"cp.async.cg.shared.global [$0+{int(dst_off)}], [$1+{int(src_off)}], 16, $2;",
+         "r,l,r,~{memory}",
+         [cutlass.Int32(dst_smem).ir_value(loc=loc, ip=ip),
+          cutlass.Int64(src_gmem).ir_value(loc=loc, ip=ip),
+          cutlass.Int32(src_bytes).ir_value(loc=loc, ip=ip)], loc, ip)
+
+
+@cute.jit
+def gather_source(kv_addr: cutlass.Int64, kv_batch: cutlass.Int64, row: cutlass.Int32,
+                  ok, row_bytes: cutlass.Constexpr, sub_bytes: cutlass.Int64):
+    """(global byte address, cp.async src-size) of a gathered kv row's 16-byte chunk at
+    sub_bytes: the row's address and 16, or (invalid row) kv's base and 0, a copy that reads
+    nothing and writes zeros."""
+    g = kv_addr + (kv_batch + cutlass.Int64(row)) * cutlass.Int64(row_bytes) + sub_bytes
+    return (g if ok else kv_addr), (cutlass.Int32(16) if ok else cutlass.Int32(0))
+
 
 def _ir(x, loc, ip):
     """A pointer's address (toint), or an Int32 / Float32 value, as an MLIR value."""

@@ -117,7 +117,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 import cuda.bindings.driver as cuda
 
 from jax_dsa.kernels.sm90.common import (LOG2_E, bwd_fake_args, compile_options,
-                                         cp_async_16_zfill,
+                                         cp_async_16_zfill, gather_source,
                                          red_add_v4_f32, red_add_v4_f32_if, st_global_v4_f32,
                                          st_global_v4_f32_if)
 from jax_dsa.kernels.sm90.scatter_layout import SCRATCH_BYTES, SCRATCH_WARP_FLOATS, scratch_offset
@@ -381,10 +381,8 @@ class SparseMlaBwdWgmmaSm90:
         (dbase: that slot of row grow in tile 0; kv_addr: kv's base address)."""
         for p in cutlass.range_constexpr(self.g_passes):
             _, row, ok = self._gather_row(idx_r, p, S, grow, gsub, sRow, slot, write_rows)
-            g = (kv_addr + (kv_batch + cutlass.Int64(row)) * cutlass.Int64(self.d_qk * 2)
-                 + cutlass.Int64(gsub * 16))
-            src = g if ok else kv_addr
-            nbytes = cutlass.Int32(16) if ok else cutlass.Int32(0)
+            src, nbytes = gather_source(kv_addr, kv_batch, row, ok, self.d_qk * 2,
+                                        cutlass.Int64(gsub * 16))
             for i in cutlass.range_constexpr(n_chunks // self.g_tpr):
                 ct = c_lo // 8 + i
                 cp_async_16_zfill(dbase, src, nbytes,

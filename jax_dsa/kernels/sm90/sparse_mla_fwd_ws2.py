@@ -98,7 +98,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 import cuda.bindings.driver as cuda
 
-from jax_dsa.kernels.sm90.common import LOG2_E, cp_async_16_zfill, fwd_fake_args
+from jax_dsa.kernels.sm90.common import (LOG2_E, cp_async_16_zfill, fwd_fake_args,
+                                         gather_source)
 from jax_dsa.kernels.sm90.sparse_mla_fwd_ws import SparseMlaFwdWsSm90
 
 CONSUMER_BAR = 1  # both consumer groups (Q ready, epilogue)
@@ -244,10 +245,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
         16, or (invalid row) the tensor's base and 0: a src-size-0 copy writes zeros."""
         for p in cutlass.range_constexpr(self.p_passes):
             row = cur[p]
-            ok = row >= 0 and row < S
-            g = kv_addr + (kv_batch + cutlass.Int64(row)) * cutlass.Int64(self.d_qk * 2) + gsub
-            src[p] = g if ok else kv_addr
-            nbytes[p] = cutlass.Int32(16) if ok else cutlass.Int32(0)
+            src[p], nbytes[p] = gather_source(kv_addr, kv_batch, row, row >= 0 and row < S,
+                                              self.d_qk * 2, gsub)
 
     @cute.jit
     def _produce(self, mKV: cute.Tensor, mIdx: cute.Tensor, sValid: cute.Tensor,
