@@ -138,6 +138,15 @@ std::string BwdTag() {
   return tag;
 }
 
+// The grouped backward's variant for `group`: "wgg<G>", or a candidate "wgg<G><suffix>" built
+// with --experimental when JAX_DSA_BWD_IMPL names one for this group size.
+std::string GroupedBwdTag(int32_t group) {
+  const std::string base = "wgg" + std::to_string(group);
+  const char* e = std::getenv("JAX_DSA_BWD_IMPL");
+  const std::string impl = e ? e : "";
+  return impl.rfind(base, 0) == 0 ? impl : base;
+}
+
 LaunchFn FindBwd(bool deterministic, bool bf16, int64_t d_qk, const std::string& tag) {
   const std::string name = "jax_dsa_bwd" + tag + (deterministic ? "det_" : "_") +
                            (bf16 ? "bf16" : "f16") + "_d" + std::to_string(d_qk);
@@ -288,8 +297,8 @@ ffi::Error SparseMlaBwdGrouped(cudaStream_t stream, int32_t device, ffi::AnyBuff
   if (kd.size() == 3 && kd[1] >= (int64_t{1} << 23))
     return ffi::Error::InvalidArgument(
         "jax_dsa sparse_mla_bwd(grouped): S must be < 2^23 (membership bits from bit 23)");
-  return RunAtomicBwd(op, "wgg" + std::to_string(group), stream, device, q, kv, idx,
-                      topk_length, lse, dout, o, coef, scale, dq, dkv, delta);
+  return RunAtomicBwd(op, GroupedBwdTag(group), stream, device, q, kv, idx, topk_length, lse,
+                      dout, o, coef, scale, dq, dkv, delta);
 }
 
 ffi::Error SparseMlaBwdDeterministic(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,

@@ -53,11 +53,12 @@ def _backward_group(q_shape, k: int, s_rows: int, deterministic: bool) -> int:
   atomics, the H <= 64 kernel's floor, shrink with it (docs/performance.md). Only calls the
   grouped kernel can serve (_grouping_problem) whose union the list-union kernel computes
   (G * K <= UNION_CAPACITY) are grouped; the others run the plain kernel.
-  JAX_DSA_BWD_IMPL=wgg<G> groups every call it can by G (the union by XLA beyond the union
-  kernel); any other forced variant (e.g. "wg") never groups."""
+  JAX_DSA_BWD_IMPL=wgg<G> (or a grouped candidate wgg<G><suffix>) groups every call it can by
+  G (the union by XLA beyond the union kernel); any other forced variant (e.g. "wg") never
+  groups."""
   forced = _forced_bwd_impl()
-  if forced.startswith("wgg") and forced[3:].isdigit():
-    group = int(forced[3:])
+  if forced.startswith("wgg") and forced[3:4].isdigit():  # e.g. wgg4, or a candidate wgg4m
+    group = int(forced[3])
     return 1 if _grouping_problem(q_shape, s_rows, group, deterministic) else group
   h = q_shape[2]
   if forced or h not in (8, 16, 32):

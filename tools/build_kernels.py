@@ -57,6 +57,10 @@ EXPERIMENTAL_FWD = {
 EXPERIMENTAL_BWD = {
     # the v14 dKV chunk pairs instead of the rolling chunk pipeline (the default since v15)
     "wgp": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"rolling_chunks": False}),
+    # grouped, issuing only the dKV k-steps of the tokens that own entries of the block
+    "wgg2m": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"group": 2, "member_ksteps": True}),
+    "wgg4m": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"group": 4, "member_ksteps": True}),
+    "wgg8m": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"group": 8, "member_ksteps": True}),
 }
 # The grouped backward (default at H = 32, 16 and 8; jax_dsa._core._backward_group): G tokens of
 # 64 / G heads run as one 64-row token over the union of their lists (jax_dsa.grouping), called

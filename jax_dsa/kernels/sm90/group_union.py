@@ -17,8 +17,14 @@ a group never spans two batch rows), a hash table in shared memory:
   3. warp w of the 16 owns slots [w TABLE / 16, (w + 1) TABLE / 16), read 32 consecutive slots
      (one per lane) at a time: a first pass sums the warp's entries, the warp totals give each warp its
      first output position, a second pass places each lane's entries by a warp prefix sum
-     (shuffles) of the round; out[i, :length] = the entries in slot order, -1 after,
-     length[i] = their number. (A first version gave each thread 32 consecutive slots: every
+     (shuffles) of the round into a shared-memory stage, in slot order;
+  4. the staged entries go out grouped by the dKV k-steps of their tokens (jax_dsa.grouping
+     .KSTEP_ORDER: the 4-bit mask of the backward's 16-row k-steps their tokens' head rows fall
+     in, those of one token first), each warp counting and placing a contiguous share by ballots, so that most
+     64-entry blocks of the grouped backward hold one token's entries (its candidate
+     `wgg<G>m` then issues only that token's dKV k-steps); out[i, :length] = the entries,
+     -1 after, length[i] = their number. The order is a function of the table, so the output
+     is the same run to run. (A first version gave each thread 32 consecutive slots: every
      shared-memory read was a 32-way bank conflict and the kernel took 118 us on the
      benchmark's lists; the second, with each thread's inserts waiting on one global load at a
      time, 86 us.)
@@ -37,11 +43,12 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 import cuda.bindings.driver as cuda
 
+from jax_dsa.grouping import KSTEP_ORDER, MEMBER_SHIFT, token_ksteps
+
 THREADS = 512
 BATCH = 8  # entries each thread loads before inserting any (overlaps the global loads)
 TABLES = (2048, 4096, 8192)  # hash slots per group (powers of two), one export each
 CAPACITY = 6144  # G * K at most: load factor <= 0.75 in the largest table
-MEMBER_SHIFT = 23  # as jax_dsa.grouping
 EMPTY = -1
 
 
@@ -63,6 +70,10 @@ class GroupUnionSm90:
             row: cute.struct.MemRange[cutlass.Int32, self.table]
             count: cute.struct.MemRange[cutlass.Int32, self.table * self.words]
             warp_total: cute.struct.MemRange[cutlass.Int32, THREADS // 32]
+            stage: cute.struct.MemRange[cutlass.Int32, CAPACITY]
+            # [warp][bucket] counts, then each warp's first position in the bucket
+            bucket: cute.struct.MemRange[cutlass.Int32, (THREADS // 32) * 16]
+            bucket_total: cute.struct.MemRange[cutlass.Int32, 16]
 
         self.kernel(mIdx, mLen, mOut, mLength, K, S, SharedStorage).launch(
             grid=[n_groups, 1, 1], block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(),
@@ -76,6 +87,16 @@ class GroupUnionSm90:
             word = sCount[w * self.table + slot]
             most = cutlass.max(most, cutlass.max(word & 0xFFFF, (word >> 16) & 0xFFFF))
         return most
+
+    @cute.jit
+    def _ksteps_of(self, entry: cutlass.Int32) -> cutlass.Int32:
+        """The k-step mask of an entry's tokens (token_ksteps of each membership bit)."""
+        mask = cutlass.Int32(0)
+        for g in cutlass.range_constexpr(self.group):
+            mask = mask | cutlass.select_(((entry >> (MEMBER_SHIFT + g)) & 1) != 0,
+                                          cutlass.Int32(token_ksteps(self.group, g)),
+                                          cutlass.Int32(0))
+        return mask
 
     @cute.kernel
     def kernel(self, mIdx: cute.Tensor, mLen: cute.Tensor, mOut: cute.Tensor,
@@ -91,6 +112,9 @@ class GroupUnionSm90:
         sRow = st.row.get_tensor(cute.make_layout(TABLE))
         sCount = st.count.get_tensor(cute.make_layout(TABLE * W))
         sWarpTotal = st.warp_total.get_tensor(cute.make_layout(THREADS // 32))
+        sStage = st.stage.get_tensor(cute.make_layout(CAPACITY))
+        sBucket = st.bucket.get_tensor(cute.make_layout((THREADS // 32) * 16))
+        sBucketTotal = st.bucket_total.get_tensor(cute.make_layout(16))
         gk = K * G
         tok0 = cutlass.Int64(gid) * cutlass.Int64(G)
 
@@ -168,8 +192,57 @@ class GroupUnionSm90:
                         c = (sCount[(g // 2) * TABLE + slot] >> (16 * (g % 2))) & 0xFFFF
                         if c > occ:
                             bits = bits | (1 << g)
-                    mOut[out_base + cutlass.Int64(at + occ)] = row | (bits << MEMBER_SHIFT)
+                    sStage[at + occ] = row | (bits << MEMBER_SHIFT)
             pos = pos + cute.arch.shuffle_sync(incl, 31)
+        cute.arch.sync_threads()
+
+        # 4. out in KSTEP_ORDER: warp w takes the staged entries [w share, (w + 1) share);
+        # lane i (< 15) keeps the count, then the next position, of bucket KSTEP_ORDER[i].
+        nb = len(KSTEP_ORDER)
+        share = (length + THREADS - 1) // THREADS * 32
+        first = warp * share
+        in_bucket = cutlass.Int32(0)
+        for r in range(share // 32):
+            p = first + r * 32 + lane
+            key = cutlass.Int32(-1)
+            if p < length:
+                key = self._ksteps_of(sStage[p])
+            for i in cutlass.range_constexpr(nb):
+                n = cute.arch.popc(cute.arch.vote_ballot_sync(key == KSTEP_ORDER[i]))
+                if lane == i:
+                    in_bucket = in_bucket + n
+        if lane < nb:
+            sBucket[warp * 16 + lane] = in_bucket
+        cute.arch.sync_threads()
+        if tidx < nb:  # bucket tidx: each warp's first position within it, and its total
+            run = cutlass.Int32(0)
+            for w in cutlass.range_constexpr(warps):
+                n = sBucket[w * 16 + tidx]
+                sBucket[w * 16 + tidx] = run
+                run = run + n
+            sBucketTotal[tidx] = run
+        cute.arch.sync_threads()
+        nxt = cutlass.Int32(0)
+        if lane < nb:
+            nxt = sBucket[warp * 16 + lane]
+            for i in cutlass.range_constexpr(nb - 1):
+                if i < lane:
+                    nxt = nxt + sBucketTotal[i]
+        below = cutlass.Int32(cute.arch.lanemask_lt())
+        for r in range(share // 32):
+            p = first + r * 32 + lane
+            key = cutlass.Int32(-1)
+            entry = cutlass.Int32(-1)
+            if p < length:
+                entry = sStage[p]
+                key = self._ksteps_of(entry)
+            for i in cutlass.range_constexpr(nb):
+                hit = cute.arch.vote_ballot_sync(key == KSTEP_ORDER[i])
+                dst = cute.arch.shuffle_sync(nxt, i)
+                if key == KSTEP_ORDER[i]:
+                    mOut[out_base + cutlass.Int64(dst + cute.arch.popc(hit & below))] = entry
+                if lane == i:
+                    nxt = nxt + cute.arch.popc(hit)
         for s in range(length + tidx, gk, THREADS):
             mOut[out_base + cutlass.Int64(s)] = cutlass.Int32(-1)
         if tidx == 0:
