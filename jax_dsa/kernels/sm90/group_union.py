@@ -15,19 +15,21 @@ a group never spans two batch rows), a hash table in shared memory:
      (0 <= occ < max c) carries the bits of the tokens with c_g > occ (the n-th occurrence of a
      row in one token's list is its own softmax term; group_lists pairs them the same way);
   3. warp w of the 16 owns slots [w TABLE / 16, (w + 1) TABLE / 16), read 32 consecutive slots
-     (one per lane) at a time: a first pass sums the warp's entries, the warp totals give each warp its
-     first output position, a second pass places each lane's entries by a warp prefix sum
-     (shuffles) of the round into a shared-memory stage, in slot order;
-  4. the staged entries go out grouped by the dKV k-steps of their tokens (jax_dsa.grouping
-     .KSTEP_ORDER: the 4-bit mask of the backward's 16-row k-steps their tokens' head rows fall
-     in, those of one token first), each warp counting and placing a contiguous share by ballots, so that most
-     64-entry blocks of the grouped backward hold one token's entries (its candidate
-     `wgg<G>m` then issues only that token's dKV k-steps); out[i, :length] = the entries,
-     -1 after, length[i] = their number. The order is a function of the table, so the output
-     is the same run to run. (A first version gave each thread 32 consecutive slots: every
-     shared-memory read was a 32-way bank conflict and the kernel took 118 us on the
-     benchmark's lists; the second, with each thread's inserts waiting on one global load at a
-     time, 86 us.)
+     (one per lane) at a time, each slot's entries occ = 0 .. max c - 1 in turn. Entries are
+     bucketed by the k-step mask of their tokens (jax_dsa.grouping.KSTEP_ORDER: the 4-bit mask
+     of the grouped backward's 16-row k-steps their tokens' head rows fall in), lanes of one
+     bucket finding each other with match.any: a first pass counts each warp's entries per
+     bucket; the buckets in KSTEP_ORDER (one token's first), and the warps in order within a
+     bucket, give each (warp, bucket) its first output position; a second pass writes every
+     entry at its bucket's next position. So most 64-entry blocks of the grouped backward hold
+     one token's entries, and its candidate `wgg<G>m` issues only that token's dKV k-steps.
+     out[i, :length] = the entries, -1 after, length[i] = their number; the order is a
+     function of the table, the same run to run. (A first version gave each thread 32
+     consecutive slots: every shared-memory read was a 32-way bank conflict and the kernel
+     took 118 us on the benchmark's lists; the second, with each thread's inserts waiting on
+     one global load at a time, 86 us; one that staged the entries in shared memory and sorted
+     them afterwards, 72 us against 39 without the order: 24 KB more shared memory, one CTA
+     fewer per SM.)
 Rows land at slot row mod TABLE (or the next free one), so the output is close to row order
 for S <= TABLE. Load factor <= G * K / TABLE <= 0.75: each group size is exported with every
 table size of TABLES, and the handler runs the smallest that holds G * K at that load and has
@@ -69,11 +71,9 @@ class GroupUnionSm90:
         class SharedStorage:
             row: cute.struct.MemRange[cutlass.Int32, self.table]
             count: cute.struct.MemRange[cutlass.Int32, self.table * self.words]
-            warp_total: cute.struct.MemRange[cutlass.Int32, THREADS // 32]
-            stage: cute.struct.MemRange[cutlass.Int32, CAPACITY]
-            # [warp][bucket] counts, then each warp's first position in the bucket
+            # [warp][k-step mask] entry counts, then next output positions
             bucket: cute.struct.MemRange[cutlass.Int32, (THREADS // 32) * 16]
-            bucket_total: cute.struct.MemRange[cutlass.Int32, 16]
+            total: cute.struct.MemRange[cutlass.Int32, 17]  # per mask; [16]: the length
 
         self.kernel(mIdx, mLen, mOut, mLength, K, S, SharedStorage).launch(
             grid=[n_groups, 1, 1], block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(),
@@ -111,10 +111,8 @@ class GroupUnionSm90:
         st = smem.allocate(SharedStorage)
         sRow = st.row.get_tensor(cute.make_layout(TABLE))
         sCount = st.count.get_tensor(cute.make_layout(TABLE * W))
-        sWarpTotal = st.warp_total.get_tensor(cute.make_layout(THREADS // 32))
-        sStage = st.stage.get_tensor(cute.make_layout(CAPACITY))
         sBucket = st.bucket.get_tensor(cute.make_layout((THREADS // 32) * 16))
-        sBucketTotal = st.bucket_total.get_tensor(cute.make_layout(16))
+        sTotal = st.total.get_tensor(cute.make_layout(17))
         gk = K * G
         tok0 = cutlass.Int64(gid) * cutlass.Int64(G)
 
@@ -155,94 +153,74 @@ class GroupUnionSm90:
                                          scope="cta")
         cute.arch.sync_threads()
 
-        # 2.-3. warp w scans its slots 32 at a time; pass 0 counts, pass 1 writes.
+        # 2.-4. warp w scans its slots 32 at a time (one per lane), each slot's entries occ
+        # = 0 .. most - 1 in turn. Entries are bucketed by their k-step mask (1..15); lanes
+        # with the same mask find each other with match.any. Pass 0 counts each warp's entries
+        # per bucket, then the buckets' order (KSTEP_ORDER) and the warps' order give each
+        # (warp, bucket) its first output position; pass 1 writes each entry at its bucket's
+        # next position. The order is a function of the table: the same run to run.
         warps = THREADS // 32
         span = TABLE // warps
-        mine = cutlass.Int32(0)
-        for r in cutlass.range_constexpr(span // 32):
-            mine = mine + self._entries_at(sCount, warp * span + r * 32 + lane)
-        for d in cutlass.range_constexpr(5):
-            mine = mine + cute.arch.shuffle_sync_bfly(mine, 1 << d)
-        if lane == 0:
-            sWarpTotal[warp] = mine
+        for i in cutlass.range_constexpr((warps * 16 + THREADS - 1) // THREADS):
+            if tidx + THREADS * i < warps * 16:
+                sBucket[tidx + THREADS * i] = cutlass.Int32(0)
         cute.arch.sync_threads()
-        pos = cutlass.Int32(0)  # the warp's first output position
-        length = cutlass.Int32(0)
-        for w in cutlass.range_constexpr(warps):
-            t = sWarpTotal[w]
-            if w < warp:
-                pos = pos + t
-            length = length + t
-
+        below = cutlass.Int32(cute.arch.lanemask_lt())
         out_base = cutlass.Int64(gid) * cutlass.Int64(gk)
-        for r in cutlass.range(span // 32, unroll=4):
-            slot = warp * span + r * 32 + lane
-            most = self._entries_at(sCount, slot)
-            incl = most
-            for d in cutlass.range_constexpr(5):
-                up = cute.arch.shuffle_sync_up(incl, 1 << d)
-                if lane >= (1 << d):
-                    incl = incl + up
-            at = pos + incl - most
-            if most > 0:
+        for write in cutlass.range_constexpr(2):
+            for r in cutlass.range(span // 32, unroll=2):
+                slot = warp * span + r * 32 + lane
+                most = self._entries_at(sCount, slot)
+                top = most
+                for d in cutlass.range_constexpr(5):
+                    top = cutlass.max(top, cute.arch.shuffle_sync_bfly(top, 1 << d))
                 row = sRow[slot]
-                for occ in range(most):
+                for occ in range(top):
                     bits = cutlass.Int32(0)
                     for g in cutlass.range_constexpr(G):
                         c = (sCount[(g // 2) * TABLE + slot] >> (16 * (g % 2))) & 0xFFFF
                         if c > occ:
                             bits = bits | (1 << g)
-                    sStage[at + occ] = row | (bits << MEMBER_SHIFT)
-            pos = pos + cute.arch.shuffle_sync(incl, 31)
-        cute.arch.sync_threads()
-
-        # 4. out in KSTEP_ORDER: warp w takes the staged entries [w share, (w + 1) share);
-        # lane i (< 15) keeps the count, then the next position, of bucket KSTEP_ORDER[i].
-        nb = len(KSTEP_ORDER)
-        share = (length + THREADS - 1) // THREADS * 32
-        first = warp * share
-        in_bucket = cutlass.Int32(0)
-        for r in range(share // 32):
-            p = first + r * 32 + lane
-            key = cutlass.Int32(-1)
-            if p < length:
-                key = self._ksteps_of(sStage[p])
-            for i in cutlass.range_constexpr(nb):
-                n = cute.arch.popc(cute.arch.vote_ballot_sync(key == KSTEP_ORDER[i]))
-                if lane == i:
-                    in_bucket = in_bucket + n
-        if lane < nb:
-            sBucket[warp * 16 + lane] = in_bucket
-        cute.arch.sync_threads()
-        if tidx < nb:  # bucket tidx: each warp's first position within it, and its total
-            run = cutlass.Int32(0)
-            for w in cutlass.range_constexpr(warps):
-                n = sBucket[w * 16 + tidx]
-                sBucket[w * 16 + tidx] = run
-                run = run + n
-            sBucketTotal[tidx] = run
-        cute.arch.sync_threads()
-        nxt = cutlass.Int32(0)
-        if lane < nb:
-            nxt = sBucket[warp * 16 + lane]
-            for i in cutlass.range_constexpr(nb - 1):
-                if i < lane:
-                    nxt = nxt + sBucketTotal[i]
-        below = cutlass.Int32(cute.arch.lanemask_lt())
-        for r in range(share // 32):
-            p = first + r * 32 + lane
-            key = cutlass.Int32(-1)
-            entry = cutlass.Int32(-1)
-            if p < length:
-                entry = sStage[p]
-                key = self._ksteps_of(entry)
-            for i in cutlass.range_constexpr(nb):
-                hit = cute.arch.vote_ballot_sync(key == KSTEP_ORDER[i])
-                dst = cute.arch.shuffle_sync(nxt, i)
-                if key == KSTEP_ORDER[i]:
-                    mOut[out_base + cutlass.Int64(dst + cute.arch.popc(hit & below))] = entry
-                if lane == i:
-                    nxt = nxt + cute.arch.popc(hit)
+                    entry = row | (bits << MEMBER_SHIFT)
+                    # 0: this lane has no entry occ (an empty slot's row is -1: no mask)
+                    key = cutlass.select_(occ < most, self._ksteps_of(entry), cutlass.Int32(0))
+                    peers = cutlass.Int32(cute.arch.match_sync(0xFFFFFFFF, key))
+                    at = warp * 16 + key
+                    if cutlass.const_expr(write == 1):
+                        if key != 0:
+                            mOut[out_base + cutlass.Int64(sBucket[at] +
+                                                          cute.arch.popc(peers & below))] = entry
+                    cute.arch.sync_warp()
+                    if (key != 0) & ((peers & below) == 0):  # the bucket's lowest lane
+                        sBucket[at] = sBucket[at] + cute.arch.popc(peers)
+                    cute.arch.sync_warp()
+            cute.arch.sync_threads()
+            if cutlass.const_expr(write == 0):
+                # counts -> first positions: buckets in KSTEP_ORDER, warps in order within
+                # one; thread `key` (< 16) handles its bucket
+                if tidx < 16:
+                    run = cutlass.Int32(0)
+                    for w in cutlass.range_constexpr(warps):
+                        n = sBucket[w * 16 + tidx]
+                        sBucket[w * 16 + tidx] = run
+                        run = run + n
+                    sTotal[tidx] = run
+                cute.arch.sync_threads()
+                if tidx < 16:
+                    rank = cutlass.Int32(len(KSTEP_ORDER))  # key 0 (no entries): last
+                    for i in cutlass.range_constexpr(len(KSTEP_ORDER)):
+                        if tidx == KSTEP_ORDER[i]:
+                            rank = cutlass.Int32(i)
+                    before = cutlass.Int32(0)
+                    for i in cutlass.range_constexpr(len(KSTEP_ORDER)):
+                        if i < rank:
+                            before = before + sTotal[KSTEP_ORDER[i]]
+                    for w in cutlass.range_constexpr(warps):
+                        sBucket[w * 16 + tidx] = sBucket[w * 16 + tidx] + before
+                    if tidx == 0:
+                        sTotal[16] = before  # everything before key 0: the union's length
+                cute.arch.sync_threads()
+        length = sTotal[16]
         for s in range(length + tidx, gk, THREADS):
             mOut[out_base + cutlass.Int64(s)] = cutlass.Int32(-1)
         if tidx == 0:
