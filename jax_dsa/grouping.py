@@ -23,29 +23,6 @@ from jax_dsa.reference import valid_mask
 # pack_entries: an entry is its kv row | membership bits << MEMBER_SHIFT (rows < 2^23, G <= 8).
 MEMBER_SHIFT = 23
 
-# The grouped backward's 64 head rows are G tokens x 64 / G heads; its dKV products run over
-# them in 16-row k-steps. The list-union kernel (kernels/sm90/group_union.py) emits each group's
-# entries ordered by the k-step mask of their tokens, in KSTEP_ORDER (one k-step, then one
-# token's two at G = 2, then the rest), so that most 64-entry blocks hold one token's entries.
-KSTEP_ORDER = (1, 2, 4, 8, 3, 12, 5, 6, 9, 10, 7, 11, 13, 14, 15)
-
-
-def token_ksteps(group: int, g: int) -> int:
-  """The mask of the 16-row k-steps that token g's head rows [64 g / G, 64 (g + 1) / G) fall in."""
-  rows = 64 // group
-  return sum(1 << k for k in range(g * rows // 16, ((g + 1) * rows - 1) // 16 + 1))
-
-
-def entry_ksteps(entries, group: int):
-  """The k-step masks (token_ksteps of each membership bit) of packed entries (numpy)."""
-  import numpy as np
-  entries = np.asarray(entries)
-  mask = np.zeros(entries.shape, np.int32)
-  for g in range(group):
-    mask |= np.where((entries >= 0) & ((entries >> (MEMBER_SHIFT + g)) & 1 == 1),
-                     token_ksteps(group, g), 0).astype(np.int32)
-  return mask
-
 
 def _run_starts(x):
   """[..., n] -> bool [..., n]: True where x differs from its left neighbour (and at 0)."""

@@ -164,23 +164,6 @@ def test_backward_group_choice(case, monkeypatch):
   assert _core._backward_group((1, t, h, 576), k, s, deterministic) == want
 
 
-def test_token_ksteps_cover_each_tokens_head_rows():
-  """token_ksteps: the 16-row k-steps of a token's 64 / G head rows; KSTEP_ORDER ranks every
-  non-empty mask once; entry_ksteps ORs the masks of an entry's membership bits."""
-  for group in (2, 4, 8):
-    rows = 64 // group
-    for g in range(group):
-      want = {r // 16 for r in range(g * rows, (g + 1) * rows)}
-      assert grouping.token_ksteps(group, g) == sum(1 << k for k in want)
-  assert [grouping.token_ksteps(2, g) for g in range(2)] == [0b0011, 0b1100]
-  assert [grouping.token_ksteps(8, g) for g in range(8)] == [1, 1, 2, 2, 4, 4, 8, 8]
-  assert sorted(grouping.KSTEP_ORDER) == list(range(1, 16))
-  entries = np.array([5 | (0b0101 << MEMBER_SHIFT), 7 | (0b1000 << MEMBER_SHIFT), -1])
-  np.testing.assert_array_equal(grouping.entry_ksteps(entries, 4), [0b0101, 0b1000, 0])
-  np.testing.assert_array_equal(grouping.entry_ksteps(entries, 8), [0b0011, 0b0010, 0])
-  np.testing.assert_array_equal(grouping.entry_ksteps(entries, 2), [0b0011, 0, 0])
-
-
 def test_union_capacity_matches_the_kernel():
   """_core.UNION_CAPACITY is the list-union kernel's CAPACITY, and its FFI handler
   (ffi/group_union.cc) has the same capacity and table sizes (read from the sources, which

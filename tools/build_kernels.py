@@ -48,8 +48,8 @@ BWD_VARIANTS = {
 # JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>; their GPU status goes in docs/performance.md (the
 # ones measured slower, e.g. ws2c and wgc, were removed: git history).
 # (ws2q and wgt became the v11 defaults, wgk3 the v12 one, wgr the v15 one, ws2g and wgf the
-# v16 ones; wga, wgk2, ws2u, ws2v, ws2uv, ws2k, wgr2, wgr4 measured no faster:
-# docs/performance.md.)
+# v16 ones; wga, wgk2, ws2u, ws2v, ws2uv, ws2k, wgr2, wgr4 and the grouped wgg2m / wgg4m /
+# wgg8m measured no faster: docs/performance.md.)
 EXPERIMENTAL_FWD = {
     # ws2 with the producer loading pair m + 1's indices during pair m (retry of v4's ws2i)
     "ws2i": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"prefetch_idx": True}),
@@ -57,11 +57,10 @@ EXPERIMENTAL_FWD = {
 EXPERIMENTAL_BWD = {
     # the v14 dKV chunk pairs instead of the rolling chunk pipeline (the default since v15)
     "wgp": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"rolling_chunks": False}),
-    # grouped, issuing only the dKV k-steps of the tokens that own entries of the block
-    "wgg2m": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"group": 2, "member_ksteps": True}),
-    "wgg4m": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"group": 4, "member_ksteps": True}),
-    "wgg8m": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"group": 8, "member_ksteps": True}),
 }
+# A grouped candidate is tagged wgg<G><suffix> (e.g. the removed wgg4m): JAX_DSA_BWD_IMPL set
+# to it groups the calls with H * G = 64 and runs that export there (ffi GroupedBwdTag).
+
 # The grouped backward (default at H = 32, 16 and 8; jax_dsa._core._backward_group): G tokens of
 # 64 / G heads run as one 64-row token over the union of their lists (jax_dsa.grouping), called
 # per call through its own FFI handler. Atomic form only (deterministic=True never groups); each

@@ -15,21 +15,13 @@ a group never spans two batch rows), a hash table in shared memory:
      (0 <= occ < max c) carries the bits of the tokens with c_g > occ (the n-th occurrence of a
      row in one token's list is its own softmax term; group_lists pairs them the same way);
   3. warp w of the 16 owns slots [w TABLE / 16, (w + 1) TABLE / 16), read 32 consecutive slots
-     (one per lane) at a time, each slot's entries occ = 0 .. max c - 1 in turn. Entries are
-     bucketed by the k-step mask of their tokens (jax_dsa.grouping.KSTEP_ORDER: the 4-bit mask
-     of the grouped backward's 16-row k-steps their tokens' head rows fall in), lanes of one
-     bucket finding each other with match.any: a first pass counts each warp's entries per
-     bucket; the buckets in KSTEP_ORDER (one token's first), and the warps in order within a
-     bucket, give each (warp, bucket) its first output position; a second pass writes every
-     entry at its bucket's next position. So most 64-entry blocks of the grouped backward hold
-     one token's entries, and its candidate `wgg<G>m` issues only that token's dKV k-steps.
-     out[i, :length] = the entries, -1 after, length[i] = their number; the order is a
-     function of the table, the same run to run. (A first version gave each thread 32
-     consecutive slots: every shared-memory read was a 32-way bank conflict and the kernel
-     took 118 us on the benchmark's lists; the second, with each thread's inserts waiting on
-     one global load at a time, 86 us; one that staged the entries in shared memory and sorted
-     them afterwards, 72 us against 39 without the order: 24 KB more shared memory, one CTA
-     fewer per SM.)
+     (one per lane) at a time: a first pass sums the warp's entries, the warp totals give each warp its
+     first output position, a second pass places each lane's entries by a warp prefix sum
+     (shuffles) of the round; out[i, :length] = the entries in slot order, -1 after,
+     length[i] = their number. (A first version gave each thread 32 consecutive slots: every
+     shared-memory read was a 32-way bank conflict and the kernel took 118 us on the
+     benchmark's lists; the second, with each thread's inserts waiting on one global load at a
+     time, 86 us.)
 Rows land at slot row mod TABLE (or the next free one), so the output is close to row order
 for S <= TABLE. Load factor <= G * K / TABLE <= 0.75: each group size is exported with every
 table size of TABLES, and the handler runs the smallest that holds G * K at that load and has
@@ -45,12 +37,11 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 import cuda.bindings.driver as cuda
 
-from jax_dsa.grouping import KSTEP_ORDER, MEMBER_SHIFT, token_ksteps
-
 THREADS = 512
 BATCH = 8  # entries each thread loads before inserting any (overlaps the global loads)
 TABLES = (2048, 4096, 8192)  # hash slots per group (powers of two), one export each
 CAPACITY = 6144  # G * K at most: load factor <= 0.75 in the largest table
+MEMBER_SHIFT = 23  # as jax_dsa.grouping
 EMPTY = -1
 
 
@@ -71,9 +62,7 @@ class GroupUnionSm90:
         class SharedStorage:
             row: cute.struct.MemRange[cutlass.Int32, self.table]
             count: cute.struct.MemRange[cutlass.Int32, self.table * self.words]
-            # [warp][k-step mask] entry counts, then next output positions
-            bucket: cute.struct.MemRange[cutlass.Int32, (THREADS // 32) * 16]
-            total: cute.struct.MemRange[cutlass.Int32, 17]  # per mask; [16]: the length
+            warp_total: cute.struct.MemRange[cutlass.Int32, THREADS // 32]
 
         self.kernel(mIdx, mLen, mOut, mLength, K, S, SharedStorage).launch(
             grid=[n_groups, 1, 1], block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(),
@@ -88,16 +77,6 @@ class GroupUnionSm90:
             most = cutlass.max(most, cutlass.max(word & 0xFFFF, (word >> 16) & 0xFFFF))
         return most
 
-    @cute.jit
-    def _ksteps_of(self, entry: cutlass.Int32) -> cutlass.Int32:
-        """The k-step mask of an entry's tokens (token_ksteps of each membership bit)."""
-        mask = cutlass.Int32(0)
-        for g in cutlass.range_constexpr(self.group):
-            mask = mask | cutlass.select_(((entry >> (MEMBER_SHIFT + g)) & 1) != 0,
-                                          cutlass.Int32(token_ksteps(self.group, g)),
-                                          cutlass.Int32(0))
-        return mask
-
     @cute.kernel
     def kernel(self, mIdx: cute.Tensor, mLen: cute.Tensor, mOut: cute.Tensor,
                mLength: cute.Tensor, K: cutlass.Int32, S: cutlass.Int32,
@@ -111,8 +90,7 @@ class GroupUnionSm90:
         st = smem.allocate(SharedStorage)
         sRow = st.row.get_tensor(cute.make_layout(TABLE))
         sCount = st.count.get_tensor(cute.make_layout(TABLE * W))
-        sBucket = st.bucket.get_tensor(cute.make_layout((THREADS // 32) * 16))
-        sTotal = st.total.get_tensor(cute.make_layout(17))
+        sWarpTotal = st.warp_total.get_tensor(cute.make_layout(THREADS // 32))
         gk = K * G
         tok0 = cutlass.Int64(gid) * cutlass.Int64(G)
 
@@ -153,74 +131,45 @@ class GroupUnionSm90:
                                          scope="cta")
         cute.arch.sync_threads()
 
-        # 2.-4. warp w scans its slots 32 at a time (one per lane), each slot's entries occ
-        # = 0 .. most - 1 in turn. Entries are bucketed by their k-step mask (1..15); lanes
-        # with the same mask find each other with match.any. Pass 0 counts each warp's entries
-        # per bucket, then the buckets' order (KSTEP_ORDER) and the warps' order give each
-        # (warp, bucket) its first output position; pass 1 writes each entry at its bucket's
-        # next position. The order is a function of the table: the same run to run.
+        # 2.-3. warp w scans its slots 32 at a time; pass 0 counts, pass 1 writes.
         warps = THREADS // 32
         span = TABLE // warps
-        for i in cutlass.range_constexpr((warps * 16 + THREADS - 1) // THREADS):
-            if tidx + THREADS * i < warps * 16:
-                sBucket[tidx + THREADS * i] = cutlass.Int32(0)
+        mine = cutlass.Int32(0)
+        for r in cutlass.range_constexpr(span // 32):
+            mine = mine + self._entries_at(sCount, warp * span + r * 32 + lane)
+        for d in cutlass.range_constexpr(5):
+            mine = mine + cute.arch.shuffle_sync_bfly(mine, 1 << d)
+        if lane == 0:
+            sWarpTotal[warp] = mine
         cute.arch.sync_threads()
-        below = cutlass.Int32(cute.arch.lanemask_lt())
+        pos = cutlass.Int32(0)  # the warp's first output position
+        length = cutlass.Int32(0)
+        for w in cutlass.range_constexpr(warps):
+            t = sWarpTotal[w]
+            if w < warp:
+                pos = pos + t
+            length = length + t
+
         out_base = cutlass.Int64(gid) * cutlass.Int64(gk)
-        for write in cutlass.range_constexpr(2):
-            for r in cutlass.range(span // 32, unroll=2):
-                slot = warp * span + r * 32 + lane
-                most = self._entries_at(sCount, slot)
-                top = most
-                for d in cutlass.range_constexpr(5):
-                    top = cutlass.max(top, cute.arch.shuffle_sync_bfly(top, 1 << d))
+        for r in cutlass.range(span // 32, unroll=4):
+            slot = warp * span + r * 32 + lane
+            most = self._entries_at(sCount, slot)
+            incl = most
+            for d in cutlass.range_constexpr(5):
+                up = cute.arch.shuffle_sync_up(incl, 1 << d)
+                if lane >= (1 << d):
+                    incl = incl + up
+            at = pos + incl - most
+            if most > 0:
                 row = sRow[slot]
-                for occ in range(top):
+                for occ in range(most):
                     bits = cutlass.Int32(0)
                     for g in cutlass.range_constexpr(G):
                         c = (sCount[(g // 2) * TABLE + slot] >> (16 * (g % 2))) & 0xFFFF
                         if c > occ:
                             bits = bits | (1 << g)
-                    entry = row | (bits << MEMBER_SHIFT)
-                    # 0: this lane has no entry occ (an empty slot's row is -1: no mask)
-                    key = cutlass.select_(occ < most, self._ksteps_of(entry), cutlass.Int32(0))
-                    peers = cutlass.Int32(cute.arch.match_sync(0xFFFFFFFF, key))
-                    at = warp * 16 + key
-                    if cutlass.const_expr(write == 1):
-                        if key != 0:
-                            mOut[out_base + cutlass.Int64(sBucket[at] +
-                                                          cute.arch.popc(peers & below))] = entry
-                    cute.arch.sync_warp()
-                    if (key != 0) & ((peers & below) == 0):  # the bucket's lowest lane
-                        sBucket[at] = sBucket[at] + cute.arch.popc(peers)
-                    cute.arch.sync_warp()
-            cute.arch.sync_threads()
-            if cutlass.const_expr(write == 0):
-                # counts -> first positions: buckets in KSTEP_ORDER, warps in order within
-                # one; thread `key` (< 16) handles its bucket
-                if tidx < 16:
-                    run = cutlass.Int32(0)
-                    for w in cutlass.range_constexpr(warps):
-                        n = sBucket[w * 16 + tidx]
-                        sBucket[w * 16 + tidx] = run
-                        run = run + n
-                    sTotal[tidx] = run
-                cute.arch.sync_threads()
-                if tidx < 16:
-                    rank = cutlass.Int32(len(KSTEP_ORDER))  # key 0 (no entries): last
-                    for i in cutlass.range_constexpr(len(KSTEP_ORDER)):
-                        if tidx == KSTEP_ORDER[i]:
-                            rank = cutlass.Int32(i)
-                    before = cutlass.Int32(0)
-                    for i in cutlass.range_constexpr(len(KSTEP_ORDER)):
-                        if i < rank:
-                            before = before + sTotal[KSTEP_ORDER[i]]
-                    for w in cutlass.range_constexpr(warps):
-                        sBucket[w * 16 + tidx] = sBucket[w * 16 + tidx] + before
-                    if tidx == 0:
-                        sTotal[16] = before  # everything before key 0: the union's length
-                cute.arch.sync_threads()
-        length = sTotal[16]
+                    mOut[out_base + cutlass.Int64(at + occ)] = row | (bits << MEMBER_SHIFT)
+            pos = pos + cute.arch.shuffle_sync(incl, 31)
         for s in range(length + tidx, gk, THREADS):
             mOut[out_base + cutlass.Int64(s)] = cutlass.Int32(-1)
         if tidx == 0:

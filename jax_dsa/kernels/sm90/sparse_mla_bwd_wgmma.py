@@ -121,7 +121,7 @@ from jax_dsa.kernels.sm90.common import (LOG2_E, bwd_fake_args, compile_options,
                                          red_add_v4_f32, red_add_v4_f32_if, st_global_v4_f32,
                                          st_global_v4_f32_if)
 from jax_dsa.kernels.sm90.scatter_layout import SCRATCH_BYTES, SCRATCH_WARP_FLOATS, scratch_offset
-from jax_dsa.grouping import MEMBER_SHIFT as GROUP_SHIFT, token_ksteps
+from jax_dsa.grouping import MEMBER_SHIFT as GROUP_SHIFT
 
 
 
@@ -161,8 +161,7 @@ DS_EMPTY = 2
 
 class SparseMlaBwdWgmmaSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                 wg0_chunks: int | None = None, group: int = 1, rolling_chunks: bool = True,
-                 member_ksteps: bool = False):
+                 wg0_chunks: int | None = None, group: int = 1, rolling_chunks: bool = True):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -217,12 +216,6 @@ class SparseMlaBwdWgmmaSm90:
         # the H200: 0.982 / 0.980 / 0.983 of the pairs at H=64 / 128 / 128 K=1152; with WG0
         # taking 2 or 4 chunks instead of 3, 1.00-1.02 (no gain).
         self.rolling = rolling_chunks and self.rope == 0
-        # Grouped, candidate "wgg<G>m": issue only the dKV k-steps (16 head rows each) of the
-        # tokens that own an entry of the block (_block_ksteps). The other tokens' rows have
-        # P = dS = 0 in the whole block, so their k-steps add exact zeros. Pays when the union
-        # lists each token's own entries together (group_union.py orders them by k-step mask).
-        assert not member_ksteps or group > 1
-        self.member_ksteps = member_ksteps
 
 
     # ---------------------------------------------------------------- host side
@@ -804,8 +797,6 @@ class SparseMlaBwdWgmmaSm90:
             # this warp's 16 x 32 floats
             scr = scr + cute.assume((gtid // 32) * SCRATCH_WARP_FLOATS, divby=512)
         tok_row0 = cutlass.Int64(bt32 - t_begin) * cutlass.Int64(K)
-        if cutlass.const_expr(self.member_ksteps):
-            kh = self._block_ksteps(sRow, slot, lane)  # a k-step mask from here on
         # this thread's 4 rows (r = kr_base + q0 + 8 rho, in order (rho, q0)): the gathered
         # row (-1: invalid entry, nothing is added) and its dkv offset
         rows = []
@@ -875,27 +866,7 @@ class SparseMlaBwdWgmmaSm90:
         acc.fill(0.0)
         # Straight-line wgmma sequences per live-head count (a wgmma under a runtime
         # condition is serialized by ptxas).
-        if cutlass.const_expr(self.member_ksteps):
-            # kh: the block's k-step mask; one token's k-steps alone, else all four
-            if cutlass.const_expr(self.group == 2):
-                if kh == 0b0011:
-                    self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 2, 0)
-                elif kh == 0b1100:
-                    self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 2, 2)
-                else:
-                    self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 4)
-            else:
-                if kh == 1:
-                    self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 1, 0)
-                elif kh == 2:
-                    self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 1, 1)
-                elif kh == 4:
-                    self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 1, 2)
-                elif kh == 8:
-                    self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 1, 3)
-                else:
-                    self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 4)
-        elif kh == 4 or cutlass.const_expr(not self.skip_heads):
+        if kh == 4 or cutlass.const_expr(not self.skip_heads):
             self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 4)
         elif kh == 1:
             self._dkv_mma(dkv_mma, acc, tKrDS, tKrQ, tKrP, tKrDO, ch, 1)
@@ -906,34 +877,16 @@ class SparseMlaBwdWgmmaSm90:
         return acc
 
     @cute.jit
-    def _block_ksteps(self, sRow: cute.Tensor, slot, lane: cutlass.Int32) -> cutlass.Int32:
-        """Grouped: bit k set when a token with head rows in [16 k, 16 k + 16) owns an entry of
-        this block. Every warp ORs the membership bits of all 64 entries (invalid: -1, no
-        bits), so the mask is uniform over the warpgroup and can select a wgmma sequence."""
-        bits = cutlass.Int32(0)
-        for i in cutlass.range_constexpr(self.bn // 32):
-            e = sRow[slot * self.bn + lane + 32 * i]
-            bits = bits | cutlass.select_(e >= 0, e >> GROUP_SHIFT, cutlass.Int32(0))
-        for d in cutlass.range_constexpr(5):
-            bits = bits | cute.arch.shuffle_sync_bfly(bits, offset=1 << d)
-        ksteps = cutlass.Int32(0)
-        for g in cutlass.range_constexpr(self.group):
-            ksteps = ksteps | cutlass.select_(((bits >> g) & 1) != 0,
-                                              cutlass.Int32(token_ksteps(self.group, g)),
-                                              cutlass.Int32(0))
-        return ksteps
-
-    @cute.jit
     def _dkv_mma(self, dkv_mma: cute.TiledMma, acc: cute.Tensor, tKrDS: cute.Tensor,
                  tKrQ: cute.Tensor, tKrP: cute.Tensor, tKrDO: cute.Tensor, ch: cutlass.Int32,
-                 nk: cutlass.Constexpr, k_lo: cutlass.Constexpr = 0):
-        """acc += dS^T Q_ch (+ P^T dO_ch for ch < 8) over the nk 16-head k-steps from k_lo
+                 nk: cutlass.Constexpr):
+        """acc += dS^T Q_ch (+ P^T dO_ch for ch < 8) over the first nk 16-head k-steps
         (dkv_mma accumulates: ACCUMULATE is set once, outside all runtime control flow)."""
         warpgroup.fence()
-        for k in cutlass.range_constexpr(k_lo, k_lo + nk):
+        for k in cutlass.range_constexpr(nk):
             cute.gemm(dkv_mma, acc, tKrDS[None, None, k], tKrQ[None, None, k], acc)
         if ch < self.d_v // 64:
-            for k in cutlass.range_constexpr(k_lo, k_lo + nk):
+            for k in cutlass.range_constexpr(nk):
                 cute.gemm(dkv_mma, acc, tKrP[None, None, k], tKrDO[None, None, k], acc)
         warpgroup.commit_group()
 
@@ -1037,10 +990,9 @@ class SparseMlaBwdWgmmaSm90:
 # -------------------------------------------------------------------- AOT compile entry
 def compile_bwd_wgmma(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
                       options: str | None = None, wg0_chunks: int | None = None,
-                      group: int = 1, rolling_chunks: bool = True,
-                      member_ksteps: bool = False):
+                      group: int = 1, rolling_chunks: bool = True):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
     return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks,
-                                              group, rolling_chunks, member_ksteps),
+                                              group, rolling_chunks),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))
