@@ -48,12 +48,9 @@ BWD_VARIANTS = {
 # JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>; their GPU status goes in docs/performance.md (the
 # ones measured slower, e.g. ws2c and wgc, were removed: git history).
 # (ws2q and wgt became the v11 defaults, wgk3 the v12 one, wgr the v15 one, ws2g and wgf the
-# v16 ones; wga, wgk2, ws2u, ws2v, ws2uv, ws2k, wgr2, wgr4 and the grouped wgg2m / wgg4m /
-# wgg8m measured no faster: docs/performance.md.)
-EXPERIMENTAL_FWD = {
-    # ws2 with the producer loading pair m + 1's indices during pair m (retry of v4's ws2i)
-    "ws2i": ("sparse_mla_fwd_ws2", "compile_fwd_ws2", {"prefetch_idx": True}),
-}
+# v16 ones; wga, wgk2, ws2u, ws2v, ws2uv, ws2k, wgr2, wgr4, ws2i (twice) and the grouped
+# wgg2m / wgg4m / wgg8m measured no faster: docs/performance.md.)
+EXPERIMENTAL_FWD = {}
 EXPERIMENTAL_BWD = {
     # the v14 dKV chunk pairs instead of the rolling chunk pipeline (the default since v15)
     "wgp": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"rolling_chunks": False}),

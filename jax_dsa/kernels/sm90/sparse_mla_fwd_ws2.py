@@ -13,7 +13,7 @@ H = 128 1.53 ms, K = 1152 2.52 ms.
 
 Measured and removed (git history, docs/performance.md): "ws2c" (the two head blocks of a token
 as a 2-CTA cluster sharing each gathered row over DSMEM: correct, 17 % slower at H = 128),
-"ws2i" (indices loaded a pair ahead: no faster), "ws2e" (the first indices loaded before
+"ws2i" (indices loaded a pair ahead: no faster, on the v4 and the v16 producer), "ws2e" (the first indices loaded before
 topk_length: no faster) and "ws2p" (persistent, the next item's Q load and first Q K^T
 overlapping the current item's end: 6-10 % slower). Cycle figures below are
 per SM, at the H100/H200 dense bf16 rate of 2048 FMA/clk and 128 B/clk of shared memory;
@@ -119,13 +119,8 @@ EMPTY_0L, EMPTY_0R, EMPTY_1L, EMPTY_1R = 4, 5, 6, 7
 
 
 class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
-    def __init__(self, dtype, d_qk: int, d_v: int = 512, prefetch_idx: bool = False):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512):
         super().__init__(dtype, d_qk, d_v)
-        # prefetch_idx (candidate "ws2i"): the producer loads pair m + 1's indices right after
-        # computing pair m's row addresses, so their latency overlaps pair m's fills instead of
-        # preceding the next pair's address computation. Measured no faster on the v4 producer
-        # (kernel log), when the fills' own issue time hid it; retried on the v16 producer.
-        self.prefetch_idx = prefetch_idx
         self.bn_g = self.bn  # each owner scores all 64 keys of its block
         self.half_chunks = self.dv_g // 8  # 16-byte chunks of the L half (32)
         self.k_half = self.dv_g // 16  # k16 steps of Q K^T over the L half (16)
@@ -218,8 +213,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
     def _load_pair_idx(self, mIdx: cute.Tensor, cur0: cute.Tensor, cur1: cute.Tensor, m,
                        k_eff: cutlass.Int32, idx_base: cutlass.Int64, prow: cutlass.Int32):
         """Pair m's indices (pair 0's were loaded at the CTA start; m >= pairs: all -1, nothing
-        read). The default loads them at the top of pair m, right before its row addresses
-        need them; candidate "ws2i" loads them a pair ahead."""
+        read), at the top of pair m, right before its row addresses need them (loading them a
+        pair ahead, "ws2i", measured no faster twice)."""
         if m > 0:
             self._load_idx(mIdx, cur0, 2 * m, k_eff, idx_base, prow)
             self._load_idx(mIdx, cur1, 2 * m + 1, k_eff, idx_base, prow)
@@ -282,25 +277,13 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
         src1 = cute.make_rmem_tensor(npass, cutlass.Int64)
         nb0 = cute.make_rmem_tensor(npass, cutlass.Int32)
         nb1 = cute.make_rmem_tensor(npass, cutlass.Int32)
-        nxt0, nxt1 = None, None  # (pair m + 1's indices, only with prefetch_idx)
-        if cutlass.const_expr(self.prefetch_idx):
-            nxt0 = cute.make_rmem_tensor(npass, cutlass.Int32)
-            nxt1 = cute.make_rmem_tensor(npass, cutlass.Int32)
         n_pairs = (n_blocks + 1) // 2
         for m in range(n_pairs):
             has1 = 2 * m + 1 < n_blocks
             ph = (m + 1) % 2  # parity of the previous pair's release
-            if cutlass.const_expr(self.prefetch_idx):
-                if m > 0:
-                    for p in cutlass.range_constexpr(npass):
-                        cur0[p] = nxt0[p]
-                        cur1[p] = nxt1[p]
-            else:
-                self._load_pair_idx(mIdx, cur0, cur1, m, k_eff, idx_base, prow)
+            self._load_pair_idx(mIdx, cur0, cur1, m, k_eff, idx_base, prow)
             self._row_sources(cur0, src0, nb0, kv_addr, kv_batch, S, gsub)
             self._row_sources(cur1, src1, nb1, kv_addr, kv_batch, S, gsub)
-            if cutlass.const_expr(self.prefetch_idx):
-                self._load_pair_idx(mIdx, nxt0, nxt1, m + 1, k_eff, idx_base, prow)
             for q in cutlass.range_constexpr(4):
                 stage = q % 2
                 is_r = 1 if q in (1, 2) else 0
@@ -708,8 +691,8 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                            sO_layout, sOg_layout, pv_rs, bt, h0, H, cg, gtid, crow, csub, q_ok)
 
 
-def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512, prefetch_idx: bool = False):
+def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512):
     """Compile with shape-only tensors (common.fwd_fake_args)."""
-    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v, prefetch_idx),
+    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v),
                         *fwd_fake_args(dtype, d_qk, d_v))
 
