@@ -51,14 +51,15 @@ __global__ void stream(float* dkv, const uint4* kv, const int* rows, int n_group
 }
 
 template <bool GATHER, bool RED>
-float time_ms(float* dkv, const uint4* kv, const int* rows, int n_groups, uint4* sink, int blocks) {
+float time_ms(float* dkv, const uint4* kv, const int* rows, int n_groups, uint4* sink, int blocks,
+              int threads = 256) {
   cudaEvent_t a, b;
   cudaEventCreate(&a);
   cudaEventCreate(&b);
   std::vector<float> ts;
   for (int it = 0; it < 9; ++it) {
     cudaEventRecord(a);
-    stream<GATHER, RED><<<blocks, 256>>>(dkv, kv, rows, n_groups, sink);
+    stream<GATHER, RED><<<blocks, threads>>>(dkv, kv, rows, n_groups, sink);
     cudaEventRecord(b);
     cudaEventSynchronize(b);
     float ms;
@@ -111,6 +112,13 @@ int main() {
     float tb = time_ms<true, true>(dkv, kv, rows, n_groups, sink, blocks);
     printf("blocks=%d: RED alone %.3f ms (%.0f GB/s) | gather alone %.3f ms (%.0f GB/s) | both "
            "%.3f ms\n", blocks, tr, red_gb / tr * 1e3, tg, gather_gb / tg * 1e3, tb);
+  }
+  // how few warps per SM keep the RED stream at its rate (a design that leaves the REDs to
+  // one warpgroup per SM, docs/performance.md "A RED stream that never pauses")
+  for (int warps : {2, 4, 8, 16}) {
+    float tr = time_ms<false, true>(dkv, kv, rows, n_groups, sink, 132, 32 * warps);
+    printf("one CTA per SM, %2d warps: RED alone %.3f ms (%.0f GB/s)\n", warps, tr,
+           red_gb / tr * 1e3);
   }
   printf("%s\n", cudaGetErrorString(cudaGetLastError()));
   return 0;
