@@ -54,6 +54,9 @@ EXPERIMENTAL_FWD = {}
 EXPERIMENTAL_BWD = {
     # the v14 dKV chunk pairs instead of the rolling chunk pipeline (the default since v15)
     "wgp": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"rolling_chunks": False}),
+    # a third warpgroup issues every dKV RED from chunks WG1 stages in shared memory (Dqk 512)
+    "wgq": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"red_group": True}),
+    "wgg4q": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"group": 4, "red_group": True}),
 }
 # A grouped candidate is tagged wgg<G><suffix> (e.g. the removed wgg4m): JAX_DSA_BWD_IMPL set
 # to it groups the calls with H * G = 64 and runs that export there (ffi GroupedBwdTag).
