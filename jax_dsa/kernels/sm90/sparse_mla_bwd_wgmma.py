@@ -99,6 +99,9 @@ Scaling: bf16 folds scale into dS before rounding (dq and the dS^T Q term carry 
 dS unscaled (range) and stores P as c P~ / scale (<= Dqk**0.5, finite in fp16), so that the
 whole dKV accumulator, and dQ, are multiplied by scale in fp32 afterwards.
 
+(Candidate "wgq" / "wgg4q", red_group: a third warpgroup issues the dKV REDs from chunks WG1
+stages in the transpose scratch; correct on the H200, no faster at H=16: docs/performance.md.)
+
 (An experimental variant "wgc" ran the two head blocks of a token as a 2-CTA cluster that summed
 their dKV partials over DSMEM before one RED per entry: correct on the H200 but 1.65-1.73x slower
 at H = 128, because the per-chunk hand-off chains both CTAs' slowest phases. Removed; git history
@@ -229,7 +232,9 @@ class SparseMlaBwdWgmmaSm90:
         if self.red_group:
             self.wg0_chunks = 0
         self.launch_threads = self.threads + (128 if self.red_group else 0)
-        self.wg_regs = (224, 224, 56)  # (red_group) WG0, WG1, WG2: 65536 registers in all
+        # (red_group) setmaxnreg of WG0, WG1, WG2: 504 per thread slot, the 384 x 168 the
+        # launch allocates (as ws / ws2); WG1 below 224 spills and ptxas serializes its wgmma
+        self.wg_regs = (224, 224, 56)
 
 
     # ---------------------------------------------------------------- host side
