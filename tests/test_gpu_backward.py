@@ -89,7 +89,7 @@ def test_backward_kernel_matches_oracle_and_reference(case):
 def test_grouped_backward_matches_oracle_and_reference(case):
   _kernel_or_skip()
   b, t, h, d, s, k = case[:6]
-  if _FORCED and not _FORCED.startswith(f"wgg{64 // h}"):  # wgg<G> or a candidate wgg<G>m
+  if _FORCED and not _FORCED.startswith(f"wgg{64 // h}"):  # wgg<G>, or a candidate wgg<G><suffix>
     pytest.skip(f"JAX_DSA_BWD_IMPL={_FORCED} does not group H={h}")
   assert _core._backward_group((b, t, h, d), k, s, False) == 64 // h, "not run grouped"
   _check_kernel_gradients(case)

@@ -58,7 +58,7 @@ EXPERIMENTAL_BWD = {
     "wgq": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"red_group": True}),
     "wgg4q": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"group": 4, "red_group": True}),
 }
-# A grouped candidate is tagged wgg<G><suffix> (e.g. the removed wgg4m): JAX_DSA_BWD_IMPL set
+# A grouped candidate is tagged wgg<G><suffix> (e.g. wgg4q above): JAX_DSA_BWD_IMPL set
 # to it groups the calls with H * G = 64 and runs that export there (ffi GroupedBwdTag).
 
 # The grouped backward (default at H = 32, 16 and 8; jax_dsa._core._backward_group): G tokens of

@@ -13,9 +13,9 @@ H = 128 1.53 ms, K = 1152 2.52 ms.
 
 Measured and removed (git history, docs/performance.md): "ws2c" (the two head blocks of a token
 as a 2-CTA cluster sharing each gathered row over DSMEM: correct, 17 % slower at H = 128),
-"ws2i" (indices loaded a pair ahead: no faster, on the v4 and the v16 producer), "ws2e" (the first indices loaded before
-topk_length: no faster) and "ws2p" (persistent, the next item's Q load and first Q K^T
-overlapping the current item's end: 6-10 % slower). Cycle figures below are
+"ws2i" (indices loaded a pair ahead: no faster, with the v4 and the v16 producer), "ws2e" (the
+first indices loaded before topk_length: no faster) and "ws2p" (persistent, the next item's Q
+load and first Q K^T overlapping the current item's end: 6-10 % slower). Cycle figures below are
 per SM, at the H100/H200 dense bf16 rate of 2048 FMA/clk and 128 B/clk of shared memory;
 "block" = 64 gathered KV rows x 64 heads.
 
