@@ -968,7 +968,10 @@ class SparseMlaBwdWgmmaSm90:
                      out_scale: cutlass.Float32, slot, mbar):
         """(red_group) WG1: dKV chunk k into the slot once WG2 has loaded chunk k - 1, warp w's
         16 rows x 64 columns as tiles 2 w + g2 (g2: column half) of 16 x 32 floats laid out as
-        _scatter_smem's scratch; then SLOT_FULL. _red_loop reads them back."""
+        _scatter_smem's scratch; then SLOT_FULL. _red_loop reads them back. (This and
+        _red_loop repeat _scatter_smem's scratch write / read and _dkv_block's row decode: as
+        shared helpers they changed the default exports' SASS, which could not be re-run on
+        the GPU that session; merge them when the candidate is promoted or removed.)"""
         if k > 0:
             cute.arch.mbarrier_wait(mbar + SLOT_EMPTY, (k - 1) % 2)
         acc_mn = self._acc_mn_view(acc)
