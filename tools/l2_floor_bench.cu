@@ -13,6 +13,8 @@
 #include <vector>
 #include <cuda_runtime.h>
 
+#include "median_ms.cuh"
+
 constexpr int T = 4096, S = 4096, WINDOW = 128, TOPK = 512, G = 4, D = 512;
 
 __device__ __forceinline__ void red_v4(float* p, float v) {
@@ -53,21 +55,8 @@ __global__ void stream(float* dkv, const uint4* kv, const int* rows, int n_group
 template <bool GATHER, bool RED>
 float time_ms(float* dkv, const uint4* kv, const int* rows, int n_groups, uint4* sink, int blocks,
               int threads = 256) {
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  std::vector<float> ts;
-  for (int it = 0; it < 9; ++it) {
-    cudaEventRecord(a);
-    stream<GATHER, RED><<<blocks, threads>>>(dkv, kv, rows, n_groups, sink);
-    cudaEventRecord(b);
-    cudaEventSynchronize(b);
-    float ms;
-    cudaEventElapsedTime(&ms, a, b);
-    ts.push_back(ms);
-  }
-  std::sort(ts.begin(), ts.end());
-  return ts[4];
+  return median_ms(
+      [&] { stream<GATHER, RED><<<blocks, threads>>>(dkv, kv, rows, n_groups, sink); }, 9);
 }
 
 int main() {

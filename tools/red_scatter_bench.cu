@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <cuda_runtime.h>
 
+#include "median_ms.cuh"
+
 constexpr int S = 4096, D = 576;
 
 __device__ __forceinline__ void red_v4(float* p, float a, float b, float c, float d) {
@@ -42,21 +44,7 @@ __global__ void scatter(float* dkv, const int* rows, int n_groups) {
 
 template <int ROWS>
 float run(float* dkv, const int* rows, int n_groups, int blocks) {
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  std::vector<float> ts;
-  for (int it = 0; it < 7; ++it) {
-    cudaEventRecord(a);
-    scatter<ROWS><<<blocks, 256>>>(dkv, rows, n_groups);
-    cudaEventRecord(b);
-    cudaEventSynchronize(b);
-    float ms;
-    cudaEventElapsedTime(&ms, a, b);
-    ts.push_back(ms);
-  }
-  std::sort(ts.begin(), ts.end());
-  return ts[3];
+  return median_ms([&] { scatter<ROWS><<<blocks, 256>>>(dkv, rows, n_groups); }, 7);
 }
 
 int main() {
