@@ -48,17 +48,15 @@ BWD_VARIANTS = {
 # JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL=<tag>; their GPU status goes in docs/performance.md (the
 # ones measured slower, e.g. ws2c and wgc, were removed: git history).
 # (ws2q and wgt became the v11 defaults, wgk3 the v12 one, wgr the v15 one, ws2g and wgf the
-# v16 ones; wga, wgk2, ws2u, ws2v, ws2uv, ws2k, wgr2, wgr4, ws2i (twice) and the grouped
-# wgg2m / wgg4m / wgg8m measured no faster: docs/performance.md.)
+# v16 ones; wga, wgk2, ws2u, ws2v, ws2uv, ws2k, wgr2, wgr4, ws2i (twice), the grouped
+# wgg2m / wgg4m / wgg8m and the RED warpgroup wgq / wgg2q / wgg4q / wgg8q / wgg4q2 / wgg4q3
+# measured no faster: docs/performance.md.)
 EXPERIMENTAL_FWD = {}
 EXPERIMENTAL_BWD = {
     # the v14 dKV chunk pairs instead of the rolling chunk pipeline (the default since v15)
     "wgp": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"rolling_chunks": False}),
-    # a third warpgroup issues every dKV RED from chunks WG1 stages in shared memory (Dqk 512)
-    "wgq": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"red_group": True}),
-    "wgg4q": ("sparse_mla_bwd_wgmma", "compile_bwd_wgmma", {"group": 4, "red_group": True}),
 }
-# A grouped candidate is tagged wgg<G><suffix> (e.g. wgg4q above): JAX_DSA_BWD_IMPL set
+# A grouped candidate is tagged wgg<G><suffix> (e.g. wgg4m, in git history): JAX_DSA_BWD_IMPL set
 # to it groups the calls with H * G = 64 and runs that export there (ffi GroupedBwdTag).
 
 # The grouped backward (default at H = 32, 16 and 8; jax_dsa._core._backward_group): G tokens of

@@ -99,8 +99,9 @@ Scaling: bf16 folds scale into dS before rounding (dq and the dS^T Q term carry 
 dS unscaled (range) and stores P as c P~ / scale (<= Dqk**0.5, finite in fp16), so that the
 whole dKV accumulator, and dQ, are multiplied by scale in fp32 afterwards.
 
-(Candidate "wgq" / "wgg4q", red_group: a third warpgroup issues the dKV REDs from chunks WG1
-stages in the transpose scratch; correct on the H200, no faster at H=16: docs/performance.md.)
+(Candidate "wgq" / "wgg4q", 2026-11-30: a third warpgroup issued every dKV RED from chunks WG1
+staged in the transpose scratch; correct on the H200, 0.99x at H=16 over 7 A/B rounds, 1.00-1.02x
+at H=128. Removed; git history and docs/performance.md.)
 
 (An experimental variant "wgc" ran the two head blocks of a token as a 2-CTA cluster that summed
 their dKV partials over DSMEM before one RED per entry: correct on the H200 but 1.65-1.73x slower
@@ -160,14 +161,11 @@ def _lines_per_row_transpose(v: list, lane):
 KV_FULL = 0
 DS_FULL = 1
 DS_EMPTY = 2
-SLOT_FULL = 3  # (red_group) WG1 staged a dKV chunk for WG2
-SLOT_EMPTY = 4  # (red_group) WG2 loaded it
 
 
 class SparseMlaBwdWgmmaSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                 wg0_chunks: int | None = None, group: int = 1, rolling_chunks: bool = True,
-                 red_group: bool = False):
+                 wg0_chunks: int | None = None, group: int = 1, rolling_chunks: bool = True):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -222,19 +220,6 @@ class SparseMlaBwdWgmmaSm90:
         # the H200: 0.982 / 0.980 / 0.983 of the pairs at H=64 / 128 / 128 K=1152; with WG0
         # taking 2 or 4 chunks instead of 3, 1.00-1.02 (no gain).
         self.rolling = rolling_chunks and self.rope == 0
-        # Candidate "wgq" (red_group; atomic, Dqk 512 only): a third warpgroup, WG2, issues all
-        # the dKV REDs. WG1 computes all dKV chunks (WG0 none) and stages each one's fp32 values
-        # in the transpose scratch (16 KB, one chunk) in the order the REDs read them; WG2 loads
-        # it, frees it and adds it. The REDs then leave the SM without the MMA groups' pauses
-        # (the L2 sees them ~72 % of the time today; one warpgroup per SM sustains the full RED
-        # rate: tools/l2_floor_bench.cu). Registers: setmaxnreg WG0 / WG1 / WG2.
-        self.red_group = red_group and self.smem_scatter and self.rolling and not deterministic
-        if self.red_group:
-            self.wg0_chunks = 0
-        self.launch_threads = self.threads + (128 if self.red_group else 0)
-        # (red_group) setmaxnreg of WG0, WG1, WG2: 504 per thread slot, the 384 x 168 the
-        # launch allocates (as ws / ws2); WG1 below 224 spills and ptxas serializes its wgmma
-        self.wg_regs = (224, 224, 56)
 
 
     # ---------------------------------------------------------------- host side
@@ -308,7 +293,7 @@ class SparseMlaBwdWgmmaSm90:
             sdp_mma, dq0_mma, dq1_mma, dqr_mma, dkv_mma, SharedStorage,
         ).launch(
             grid=[n_tok, n_hb, 1],
-            block=[self.launch_threads, 1, 1],
+            block=[self.threads, 1, 1],
             # (+ 1 KB: room for any alignment padding before the scratch array)
             smem=SharedStorage.size_in_bytes() + (SCRATCH_BYTES + 1024 if self.smem_scatter
                                                   else 0),
@@ -329,8 +314,7 @@ class SparseMlaBwdWgmmaSm90:
             sDS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sT_layout)], 1024]
             sRow: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * self.bn], 16]
             sDelta: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.bm], 16]
-            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64,
-                                                         6 if self.red_group else 4], 8]
+            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 4], 8]
 
         return SharedStorage
 
@@ -467,9 +451,7 @@ class SparseMlaBwdWgmmaSm90:
         scr = None  # _scatter_smem's scratch, this warpgroup's 4 x 2 KB
         if cutlass.const_expr(self.smem_scatter):
             scr = smem.allocate_array(cutlass.Float32, SCRATCH_BYTES // 4, byte_alignment=16)
-            # (red_group: all 16 KB are the slot of WG1's staged chunk, 8 tiles of 16 x 32)
-            if cutlass.const_expr(not self.red_group):
-                scr = scr + cute.assume((tidx // 128) * (4 * SCRATCH_WARP_FLOATS), divby=512)
+            scr = scr + cute.assume((tidx // 128) * (4 * SCRATCH_WARP_FLOATS), divby=512)
         q_base = storage.sQ.data_ptr()
         q_sw = cute.recast_ptr(q_base, swizzle_=swz)
         do_sw = cute.recast_ptr(storage.sDO.data_ptr(), swizzle_=swz)
@@ -490,9 +472,6 @@ class SparseMlaBwdWgmmaSm90:
             cute.arch.mbarrier_init(mbar + KV_FULL, 2 * self.threads)
             cute.arch.mbarrier_init(mbar + DS_FULL, 128)
             cute.arch.mbarrier_init(mbar + DS_EMPTY, 128)
-            if cutlass.const_expr(self.red_group):
-                cute.arch.mbarrier_init(mbar + SLOT_FULL, 128)
-                cute.arch.mbarrier_init(mbar + SLOT_EMPTY, 128)
         cute.arch.mbarrier_init_fence()
 
         cp_atom = cute.make_copy_atom(
@@ -502,15 +481,8 @@ class SparseMlaBwdWgmmaSm90:
         )
         # ---- Q and dO (padded heads zero-filled, never read) -------------------------------
         crow = tidx // self.io_tpr
-        if cutlass.const_expr(self.red_group):
-            # WG2 repeats WG0's Q / dO copies and delta (same bytes to the same places: no
-            # branch around them) and stores nothing at the end (dq_ok)
-            crow = (tidx % self.threads) // self.io_tpr
         csub = tidx % self.io_tpr
         q_ok = h0 + crow < H
-        dq_ok = q_ok
-        if cutlass.const_expr(self.red_group):
-            dq_ok = q_ok and tidx < self.threads
         q_row = bt * cutlass.Int64(H) + cutlass.Int64(h0 + crow)
         if q_ok:
             for i in cutlass.range_constexpr(self.chunks // self.io_tpr):
@@ -531,10 +503,7 @@ class SparseMlaBwdWgmmaSm90:
         kv_addr = mKV.iterator.toint()
         g_dbase = storage.sKV.data_ptr().toint() + grow * 128 + ((gsub ^ (grow % 8)) * 16)
         self._load_idx(mIdx, idx_r, 0, k_eff, idx_base, grow)
-        gathers = n_blocks > 0
-        if cutlass.const_expr(self.red_group):
-            gathers = n_blocks > 0 and wg < 2  # WG2 never gathers
-        if gathers:
+        if n_blocks > 0:
             if wg == 0:
                 self._gather(kv_addr, g_dbase, idx_r, S, kv_batch, grow, gsub, 0,
                              self.c0_chunks, sRow, 0, True)
@@ -581,16 +550,8 @@ class SparseMlaBwdWgmmaSm90:
         hl = cutlass.min(H - h0, bm)
         kh = (hl + 15) // 16
 
-        if cutlass.const_expr(self.red_group):
-            # WG1's accumulating MMAs (set here, outside the role branches: a TiledMma field
-            # set inside the nested WG1 branch would escape it)
-            dq1_mma.set(warpgroup.Field.ACCUMULATE, True)
-            dqr_mma.set(warpgroup.Field.ACCUMULATE, True)
-            dkv_mma.set(warpgroup.Field.ACCUMULATE, True)
         if wg == 0:
             # ===================================== WG0 =====================================
-            if cutlass.const_expr(self.red_group):
-                cute.arch.setmaxregister_increase(self.wg_regs[0])
             thr_sdp = sdp_mma.get_slice(gtid)
             thr_dq = dq0_mma.get_slice(gtid)
             tSrQ = thr_sdp.make_fragment_A(thr_sdp.partition_A(sQ))
@@ -711,7 +672,7 @@ class SparseMlaBwdWgmmaSm90:
                 if cutlass.const_expr(self.wg0_chunks > 0):
                     self._dkv_block(dkv_mma, gtid, ds_sw, p_sw, q_sw, do_sw, sTt_layout, sRow,
                                     slot, blk, bt32, t_begin, K, kv_batch, hb, n_hb, kh, scale,
-                                    mDKV, 0, self.wg0_chunks, scr, mbar)
+                                    mDKV, 0, self.wg0_chunks, scr)
 
             # dQ staging (after the final CTA barrier below)
             cute.arch.sync_threads()
@@ -726,21 +687,10 @@ class SparseMlaBwdWgmmaSm90:
             cute.copy(r2s_o0, r2s_o0.retile(rdQ0), r2s_o0.partition_D(sdQ0))
         else:
             # ===================================== WG1 =====================================
-            wg1_args = (dq1_mma, dqr_mma, dkv_mma, gtid, sDS, kv_sw, sKt_layout, sTt_layout,
-                        n_blocks, mIdx, idx_r, k_eff, idx_base, grow, mbar, kv_addr, g_dbase, S,
-                        kv_batch, gsub, sRow, ds_sw, p_sw, q_sw, do_sw, bt32, t_begin, K, hb,
-                        n_hb, kh, scale, mDKV, scr, q_base, sOh_layout, sOr_layout)
-            if cutlass.const_expr(self.red_group):
-                if wg == 1:
-                    cute.arch.setmaxregister_increase(self.wg_regs[1])
-                    self._wg1(*wg1_args)
-                else:
-                    # ======================== WG2 (red_group): the dKV REDs =================
-                    cute.arch.setmaxregister_decrease(self.wg_regs[2])
-                    self._red_loop(gtid, scr, sRow, mbar, n_blocks, kv_batch, mDKV)
-                    cute.arch.sync_threads()  # WG0's / WG1's barrier before the dQ staging
-            else:
-                self._wg1(*wg1_args)
+            self._wg1(dq1_mma, dqr_mma, dkv_mma, gtid, sDS, kv_sw, sKt_layout, sTt_layout,
+                      n_blocks, mIdx, idx_r, k_eff, idx_base, grow, mbar, kv_addr, g_dbase, S,
+                      kv_batch, gsub, sRow, ds_sw, p_sw, q_sw, do_sw, bt32, t_begin, K, hb,
+                      n_hb, kh, scale, mDKV, scr, q_base, sOh_layout, sOr_layout)
 
         # ---- epilogue: dQ rows (live heads only) -------------------------------------------
         cute.arch.sync_threads()
@@ -748,7 +698,7 @@ class SparseMlaBwdWgmmaSm90:
         st_atom = cute.make_copy_atom(
             cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
         )
-        if dq_ok:
+        if q_ok:
             for i in cutlass.range_constexpr(self.chunks // self.io_tpr):
                 c = csub + self.io_tpr * i
                 cute.copy(st_atom, self._chunk(sO, crow, c), self._chunk(mDQ, q_row, c))
@@ -779,10 +729,9 @@ class SparseMlaBwdWgmmaSm90:
             tRrK = thr_dqr.make_fragment_B(thr_dqr.partition_B(sKtr))
             acc_dQr = thr_dqr.make_fragment_C(thr_dqr.partition_shape_C((bm, 64)))
             acc_dQr.fill(0.0)
-        if cutlass.const_expr(not self.red_group):  # (red_group: set before the role split)
-            dq1_mma.set(warpgroup.Field.ACCUMULATE, True)
-            dqr_mma.set(warpgroup.Field.ACCUMULATE, True)
-            dkv_mma.set(warpgroup.Field.ACCUMULATE, True)
+        dq1_mma.set(warpgroup.Field.ACCUMULATE, True)
+        dqr_mma.set(warpgroup.Field.ACCUMULATE, True)
+        dkv_mma.set(warpgroup.Field.ACCUMULATE, True)
 
         for blk in range(n_blocks):
             slot = blk % 2
@@ -813,7 +762,7 @@ class SparseMlaBwdWgmmaSm90:
             # dKV chunks [wg0_chunks, n_ch) of this block
             self._dkv_block(dkv_mma, gtid, ds_sw, p_sw, q_sw, do_sw, sTt_layout, sRow, slot,
                             blk, bt32, t_begin, K, kv_batch, hb, n_hb, kh, scale, mDKV,
-                            self.wg0_chunks, self.n_ch, scr, mbar)
+                            self.wg0_chunks, self.n_ch, scr)
             # this block's P / dS tiles and sRow slot are free again
             cute.arch.mbarrier_arrive(mbar + DS_EMPTY)
 
@@ -845,7 +794,7 @@ class SparseMlaBwdWgmmaSm90:
                    t_begin: cutlass.Int32, K: cutlass.Int32, kv_batch: cutlass.Int64,
                    hb: cutlass.Int32, n_hb: cutlass.Int32, kh: cutlass.Int32,
                    scale: cutlass.Float32, mDKV: cute.Tensor, ch_lo: cutlass.Constexpr,
-                   ch_hi: cutlass.Constexpr, scr, mbar=None):
+                   ch_hi: cutlass.Constexpr, scr):
         """dKV columns [64 ch_lo, 64 ch_hi) of one block in 64-column chunks: wgmma with
         A = dS^T / P^T (M = KV rows, K = heads), B = Q / dO column chunks (N = 64 columns,
         K = heads), all MN-major views of the K-major smem tiles; then _scatter adds (or
@@ -862,7 +811,7 @@ class SparseMlaBwdWgmmaSm90:
         if cutlass.const_expr(not self.fold_scale):
             out_scale = scale
         lane = gtid % 32
-        if cutlass.const_expr(self.smem_scatter and not self.red_group):
+        if cutlass.const_expr(self.smem_scatter):
             # this warp's 16 x 32 floats
             scr = scr + cute.assume((gtid // 32) * SCRATCH_WARP_FLOATS, divby=512)
         tok_row0 = cutlass.Int64(bt32 - t_begin) * cutlass.Int64(K)
@@ -901,12 +850,8 @@ class SparseMlaBwdWgmmaSm90:
                     warpgroup.wait_group(1)
                 else:
                     warpgroup.wait_group(0)
-                if cutlass.const_expr(self.red_group):
-                    self._stage_chunk(accs[(ch - ch_lo) % 2], lane, gtid // 32,
-                                      blk * self.n_ch + ch, out_scale, scr, mbar)
-                else:
-                    self._scatter_any(accs[(ch - ch_lo) % 2], lane, rows, g_bases, ch,
-                                      out_scale, mDKV, scr)
+                self._scatter_any(accs[(ch - ch_lo) % 2], lane, rows, g_bases, ch,
+                                  out_scale, mDKV, scr)
         else:
             n_pairs = (ch_hi - ch_lo) // 2 if self.rope == 0 else 0
             for i in cutlass.range(n_pairs, unroll=1):
@@ -962,80 +907,6 @@ class SparseMlaBwdWgmmaSm90:
             for k in cutlass.range_constexpr(nk):
                 cute.gemm(dkv_mma, acc, tKrP[None, None, k], tKrDO[None, None, k], acc)
         warpgroup.commit_group()
-
-    @cute.jit
-    def _stage_chunk(self, acc: cute.Tensor, lane: cutlass.Int32, warp: cutlass.Int32, k,
-                     out_scale: cutlass.Float32, slot, mbar):
-        """(red_group) WG1: dKV chunk k into the slot once WG2 has loaded chunk k - 1, warp w's
-        16 rows x 64 columns as tiles 2 w + g2 (g2: column half) of 16 x 32 floats laid out as
-        _scatter_smem's scratch; then SLOT_FULL. _red_loop reads them back. (This and
-        _red_loop repeat _scatter_smem's scratch write / read and _dkv_block's row decode: as
-        shared helpers they changed the default exports' SASS, which could not be re-run on
-        the GPU that session; merge them when the candidate is promoted or removed.)"""
-        if k > 0:
-            cute.arch.mbarrier_wait(mbar + SLOT_EMPTY, (k - 1) % 2)
-        acc_mn = self._acc_mn_view(acc)
-        q = lane // 4
-        s = lane % 4
-        st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32,
-                                      num_bits_per_copy=64)
-        pair = cute.make_rmem_tensor(2, cutlass.Float32)
-        for g2 in cutlass.range_constexpr(2):
-            tile = slot + cute.assume((2 * warp + g2) * SCRATCH_WARP_FLOATS, divby=512)
-            for rho in cutlass.range_constexpr(2):
-                for jj in cutlass.range_constexpr(4):
-                    j = 4 * g2 + jj
-                    pair[0] = acc_mn[rho, 2 * j] * out_scale
-                    pair[1] = acc_mn[rho, 2 * j + 1] * out_scale
-                    off = scratch_offset(q + 8 * rho, 8 * jj + 2 * s)
-                    dst = cute.make_tensor(tile + cute.assume(off, divby=2), cute.make_layout(2))
-                    cute.copy(st_atom, pair, dst)
-        cute.arch.mbarrier_arrive(mbar + SLOT_FULL)
-
-    @cute.jit
-    def _red_loop(self, gtid: cutlass.Int32, slot, sRow: cute.Tensor, mbar,
-                  n_blocks: cutlass.Int32, kv_batch: cutlass.Int64, mDKV: cute.Tensor):
-        """(red_group) WG2: for every block and dKV chunk, wait for WG1's staged chunk, load
-        warp w's rows 16 w .. 16 w + 15 (lane l: row segments 2 (l // 8) + {0, 1} + {0, 8},
-        columns 4 (l % 8) + [0, 4) of each half, as _scatter_smem reads its scratch), free the
-        slot (SLOT_EMPTY) and add them to dkv, each RED of a warp covering 4 rows x 128 B. The
-        block's rows come from its sRow slot, read at its first chunk (the slot is rewritten
-        only by the gather of block + 2, which waits for WG1's chunks of block + 1)."""
-        lane = gtid % 32
-        warp = gtid // 32
-        kr_base = warp * 16 + 2 * (lane // 8)
-        ld_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32,
-                                      num_bits_per_copy=128)
-        quads = cute.make_rmem_tensor(cute.make_layout((4, 4, 2), stride=(4, 1, 16)),
-                                      cutlass.Float32)
-        for blk in range(n_blocks):
-            rows = []
-            g_bases = []
-            for i in cutlass.range_constexpr(4):
-                row = sRow[(blk % 2) * self.bn + kr_base + (i % 2) + 8 * (i // 2)]
-                if cutlass.const_expr(self.group > 1):
-                    row = row & ((1 << GROUP_SHIFT) - 1) if row >= 0 else cutlass.Int32(-1)
-                g_bases.append((kv_batch + cutlass.Int64(row)) * cutlass.Int64(self.d_qk))
-                rows.append(row)
-            for ch in cutlass.range_constexpr(self.n_ch):
-                cute.arch.mbarrier_wait(mbar + SLOT_FULL, (blk * self.n_ch + ch) % 2)
-                for g2 in cutlass.range_constexpr(2):
-                    tile = slot + cute.assume((2 * warp + g2) * SCRATCH_WARP_FLOATS, divby=512)
-                    for i in cutlass.range_constexpr(4):  # i = 2 rho + q0
-                        off = scratch_offset(2 * (lane // 8) + (i % 2) + 8 * (i // 2),
-                                             4 * (lane % 8))
-                        src = cute.make_tensor(tile + cute.assume(off, divby=4),
-                                               cute.make_layout(4))
-                        cute.copy(ld_atom, src, quads[i, None, g2])
-                cute.arch.mbarrier_arrive(mbar + SLOT_EMPTY)
-                col0 = ch * 64 + 4 * (lane % 8)
-                for g2 in cutlass.range_constexpr(2):
-                    for i in cutlass.range_constexpr(4):
-                        ok = cutlass.Int32(1) if rows[i] >= 0 else cutlass.Int32(0)
-                        red_add_v4_f32_if(ok, mDKV.iterator + (g_bases[i] +
-                                                               cutlass.Int64(col0 + 32 * g2)),
-                                          quads[i, 0, g2], quads[i, 1, g2], quads[i, 2, g2],
-                                          quads[i, 3, g2])
 
     @cute.jit
     def _scatter_any(self, acc: cute.Tensor, lane: cutlass.Int32, rows: list, g_bases: list,
@@ -1137,9 +1008,9 @@ class SparseMlaBwdWgmmaSm90:
 # -------------------------------------------------------------------- AOT compile entry
 def compile_bwd_wgmma(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
                       options: str | None = None, wg0_chunks: int | None = None,
-                      group: int = 1, rolling_chunks: bool = True, red_group: bool = False):
+                      group: int = 1, rolling_chunks: bool = True):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
     return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks,
-                                              group, rolling_chunks, red_group),
+                                              group, rolling_chunks),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))
