@@ -22,7 +22,7 @@ class BuildPyWithKernels(build_py):
                        "jax_dsa")
     env = dict(os.environ)
     env.setdefault("CUTE_DSL_ARCH", "sm_90a")  # compile for Hopper without a GPU present
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "build_kernels.py"),
+    cmd = [sys.executable, os.path.join(ROOT, "ffi", "build.py"),
            "--out", os.path.join(pkg, "_lib"), "--build-dir", os.path.join(ROOT, "build", "kernels")]
     if subprocess.call(cmd, env=env) != 0:
       # SystemExit, not an Exception: setuptools would swallow an Exception in editable mode

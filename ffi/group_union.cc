@@ -1,13 +1,14 @@
 // XLA FFI handler: the union of the index lists of G consecutive tokens, for the grouped
-// backward (jax_dsa/kernels/sm90/group_union.py, exports jax_dsa_groupunion_g<G>_t<TABLE>: each
-// grouped backward variant's G of tools/build_kernels.py with each hash-table size; the smallest
-// table that holds G * K runs; "jax_dsa_kernels.h" lists them in JAX_DSA_UNION_SPECS).
+// backward (ffi/kernels/sm90/group_union.py, exports jax_dsa_group_union_g<G>_t<TABLE>: every
+// G of kGroups with every hash-table size of kUnionTables; the smallest table that holds G * K
+// runs; "jax_dsa_kernels.h" lists them in JAX_DSA_UNION_SPECS).
 //
 //   args:  idx [B, T, K] int32, topk_length [B, T] int32
 //   attrs: num_kv_rows (int64: S, entries outside [0, S) are not used), group (int32: G)
-//   rets:  packed [B, T / G, G * K] int32 (row | membership bits << 23 per union entry, -1 after
-//          the union's length; the entries of jax_dsa.grouping.pack_entries(group_lists(...))
-//          in another order), length [B, T / G] int32
+//   rets:  packed [B, T / G, G * K] int32 (row | membership bits << kMemberShift per union
+//          entry, -1 after the union's length; the entries of
+//          jax_dsa.cute.grouping.pack_entries(group_lists(...)) in another order),
+//          length [B, T / G] int32
 
 #include "common.h"  // first: defines the loaders' error hook
 
@@ -15,18 +16,10 @@
 
 #include "jax_dsa_kernels.h"  // generated: includes every exported header
 
-#ifndef JAX_DSA_UNION_SPECS
-#define JAX_DSA_UNION_SPECS(X)
-#endif
-
 namespace ffi = xla::ffi;
 
 namespace jax_dsa {
 namespace {
-
-constexpr int64_t kUnionCapacity = 6144;  // group_union.CAPACITY: G * K entries at most
-constexpr int64_t kUnionTables[] = {2048, 4096, 8192};  // group_union.TABLES (ascending)
-constexpr int64_t kMemberShift = 23;
 
 struct UnionArgs {
   void *idx, *len, *out, *length;
@@ -35,12 +28,7 @@ struct UnionArgs {
 };
 
 #define JAX_DSA_UNION_SPEC(PREFIX)                                                      \
-  struct Spec_##PREFIX {                                                                \
-    static PREFIX##_Kernel_Module_t& module() {                                         \
-      static PREFIX##_Kernel_Module_t m;                                                \
-      return m;                                                                         \
-    }                                                                                   \
-    static void load() { PREFIX##_Kernel_Module_Load(&module()); }                      \
+  JAX_DSA_SPEC(PREFIX) {                                                                \
     static int32_t launch(const UnionArgs& a, cudaStream_t s) {                         \
       PREFIX##_Tensor_mIdx_t idx{a.idx, {a.n_idx}};                                     \
       PREFIX##_Tensor_mLen_t len{a.len, {a.n_tok}};                                     \
@@ -53,15 +41,9 @@ struct UnionArgs {
 JAX_DSA_UNION_SPECS(JAX_DSA_UNION_SPEC)
 #undef JAX_DSA_UNION_SPEC
 
-using UnionFn = int32_t (*)(const UnionArgs&, cudaStream_t);
-
-cudaError_t LoadAllUnion() {
-  static ModuleLoader loader;
-  return loader.Load([] {
-#define JAX_DSA_UNION_LOAD(PREFIX) Spec_##PREFIX::load();
-    JAX_DSA_UNION_SPECS(JAX_DSA_UNION_LOAD)
-#undef JAX_DSA_UNION_LOAD
-  });
+KernelTable<UnionArgs>& UnionKernels() {
+  static KernelTable<UnionArgs> table{JAX_DSA_UNION_SPECS(JAX_DSA_KERNEL_ENTRY)};
+  return table;
 }
 
 // The union kernel of `group` with the smallest built hash table that holds group * K entries
@@ -69,16 +51,13 @@ cudaError_t LoadAllUnion() {
 // has a slot for every row (S <= table: no collisions), unless S exceeds even the largest.
 // (With S = 4096 > a 2048-slot table, rows r and r + 2048 share a slot and the window's
 // consecutive rows form one long probe run: the union took 0.40 ms instead of 0.08.)
-UnionFn FindUnion(int32_t group, int64_t group_k, int64_t num_kv_rows) {
+KernelTable<UnionArgs>::Launch FindUnion(int32_t group, int64_t group_k, int64_t num_kv_rows) {
   constexpr int64_t kLargest = kUnionTables[sizeof(kUnionTables) / sizeof(int64_t) - 1];
   for (int64_t table : kUnionTables) {
     if (4 * group_k > 3 * table || (table < num_kv_rows && table < kLargest)) continue;
     const std::string name =
-        "jax_dsa_groupunion_g" + std::to_string(group) + "_t" + std::to_string(table);
-#define JAX_DSA_UNION_MATCH(PREFIX) \
-    if (name == #PREFIX) return &Spec_##PREFIX::launch;
-    JAX_DSA_UNION_SPECS(JAX_DSA_UNION_MATCH)
-#undef JAX_DSA_UNION_MATCH
+        "jax_dsa_group_union_g" + std::to_string(group) + "_t" + std::to_string(table);
+    if (auto launch = UnionKernels().Find(name)) return launch;
   }
   return nullptr;
 }
@@ -102,22 +81,22 @@ ffi::Error GroupUnion(cudaStream_t stream, int32_t device, ffi::AnyBuffer idx,
     return err("group * K must be in 1.." + std::to_string(kUnionCapacity) + ", got " +
                std::to_string(group * K));
   if (num_kv_rows < 1 || num_kv_rows >= (int64_t{1} << kMemberShift))
-    return err("num_kv_rows must be in 1..2^23 - 1, got " + std::to_string(num_kv_rows));
+    return err("num_kv_rows must be in 1..2^" + std::to_string(kMemberShift) + " - 1, got " +
+               std::to_string(num_kv_rows));
   const int64_t n = T / group;
   if (packed->element_type() != ffi::DataType::S32 || !HasDims(packed->dimensions(), {B, n, group * K}))
     return err("packed must be int32 [B, T / G, G * K], got " + Dims(packed->dimensions()));
   if (length->element_type() != ffi::DataType::S32 || !HasDims(length->dimensions(), {B, n}))
     return err("length must be int32 [B, T / G], got " + Dims(length->dimensions()));
   if (B * n > INT32_MAX) return err("B * T / G must be < 2^31");
-  UnionFn launch = FindUnion(group, group * K, num_kv_rows);
+  auto launch = FindUnion(group, group * K, num_kv_rows);
   if (launch == nullptr)
-    return ffi::Error::Internal("jax_dsa group_union: no kernel jax_dsa_groupunion_g" +
+    return ffi::Error::Internal("jax_dsa group_union: no kernel jax_dsa_group_union_g" +
                                 std::to_string(group) + "_t* for G * K = " +
-                                std::to_string(group * K) +
-                                " was built (tools/build_kernels.py GROUPED_BWD)");
+                                std::to_string(group * K) + " was built");
   DeviceGuard guard(device);
   if (!guard.ok()) return ffi::Error::Internal("jax_dsa group_union: cudaSetDevice failed");
-  cudaError_t le = LoadAllUnion();
+  cudaError_t le = UnionKernels().Load();
   if (le != cudaSuccess)
     return ffi::Error::Internal(std::string("jax_dsa group_union: loading the kernel failed: ") +
                                 cudaGetErrorString(le));
@@ -146,14 +125,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaGroupUnionSm90, jax_dsa::GroupUnion,
 // Loads the union kernel modules now (on all devices), outside any CUDA graph capture.
 // Returns 0 or a cudaError_t code.
 extern "C" __attribute__((visibility("default"))) int JaxDsaGroupUnionInit() {
-  return static_cast<int>(jax_dsa::LoadAllUnion());
+  return static_cast<int>(jax_dsa::UnionKernels().Load());
 }
 
-// Number of union kernels built into this library (0 in a build without grouped variants).
+// Number of union kernels built into this library.
 extern "C" __attribute__((visibility("default"))) int JaxDsaGroupUnionNumKernels() {
-  int n = 0;
-#define JAX_DSA_UNION_COUNT(PREFIX) ++n;
-  JAX_DSA_UNION_SPECS(JAX_DSA_UNION_COUNT)
-#undef JAX_DSA_UNION_COUNT
-  return n;
+  return jax_dsa::UnionKernels().size();
 }

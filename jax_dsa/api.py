@@ -8,16 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dsa import _core
+from jax_dsa.cute import constants
+from jax_dsa.cute.config import Config
 
 IMPLEMENTATIONS = (None, "xla", "cute")
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
-KERNEL_HEAD_DIMS = (512, 576)
-KERNEL_D_V = 512
-KERNEL_MAX_HEADS = 128
 
 
 def sparse_mla(q, kv, idx, *, scale=None, sink=None, topk_length=None, d_v=512,
-               return_lse=False, implementation=None, deterministic=False):
+               return_lse=False, implementation=None, deterministic=False, config=None):
   """DeepSeek sparse attention (sparse MLA): each query token attends to its own K rows of kv.
 
   Args:
@@ -40,6 +39,9 @@ def sparse_mla(q, kv, idx, *, scale=None, sink=None, topk_length=None, d_v=512,
       kernel adds dkv contributions with fp32 atomics, whose order varies; with True it stores
       them per entry and sums each kv row's contributions in a fixed order instead (slower:
       see docs/performance.md). Forward results are reproducible either way.
+    config: optional jax_dsa.cute.Config pinning the Hopper kernels (for experts and tests);
+      its None fields, and config=None, are chosen per device shard by jax_dsa.cute.select.
+      Ignored by the reference.
 
   Returns:
     o [B, T, H, d_v] in q's dtype (zeros on a row with no valid entry), and lse if return_lse.
@@ -59,9 +61,12 @@ def sparse_mla(q, kv, idx, *, scale=None, sink=None, topk_length=None, d_v=512,
   impl = _resolve_implementation(implementation, q, kv, d_v)
   if not isinstance(deterministic, (bool, np.bool_)):
     raise TypeError(f"deterministic must be a Python bool; got {deterministic!r}")
+  if config is not None and not isinstance(config, Config):
+    raise TypeError(f"config must be a jax_dsa.cute.Config or None; got {config!r}")
 
   q, kv, idx, topk_length, sink = _same_variance(q, kv, idx, topk_length, sink)
-  o, lse = _core.attention(q, kv, idx, topk_length, sink, scale, d_v, impl, bool(deterministic))
+  o, lse = _core.attention(q, kv, idx, topk_length, sink, scale, d_v, impl, config,
+                           bool(deterministic))
   if unbatched:
     o, lse = o[0], lse[0]
   return (o, lse) if return_lse else o
@@ -178,23 +183,20 @@ def kernel_shape_problem(q, kv, d_v) -> str | None:
   h, dqk = q.shape[-2], q.shape[-1]
   if q.dtype not in KERNEL_DTYPES:
     return f"the kernel takes bfloat16/float16, not {q.dtype}"
-  if dqk not in KERNEL_HEAD_DIMS:
-    return f"the kernel takes Dqk in {KERNEL_HEAD_DIMS}, not {dqk}"
-  if d_v != KERNEL_D_V:
-    return f"the kernel takes d_v={KERNEL_D_V}, not {d_v}"
-  if h > KERNEL_MAX_HEADS:
-    return f"the kernel takes H in 1..{KERNEL_MAX_HEADS}, not {h}"
+  if dqk not in constants.HEAD_DIMS:
+    return f"the kernel takes Dqk in {constants.HEAD_DIMS}, not {dqk}"
+  if d_v != constants.D_V:
+    return f"the kernel takes d_v={constants.D_V}, not {d_v}"
+  if h > constants.MAX_HEADS:
+    return f"the kernel takes H in 1..{constants.MAX_HEADS}, not {h}"
   return None
 
 
 @functools.lru_cache(maxsize=None)
 def kernel_runtime_problem() -> str | None:
   """Why the Hopper kernels cannot run in this process, or None when they can."""
-  try:
-    from jax_dsa import _native
-  except ImportError as e:
-    return f"this build of jax_dsa has no kernel loader ({e})"
-  if not _native.is_available():
+  from jax_dsa.cute import ffi
+  if not ffi.is_available():
     return "the kernel library was not built (install jax_dsa with nvidia-cutlass-dsl present)"
   try:
     gpus = jax.devices("cuda")

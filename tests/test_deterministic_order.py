@@ -5,7 +5,8 @@ import pytest
 
 import jax.numpy as jnp
 
-from jax_dsa import _native
+from jax_dsa.cute import deterministic
+from jax_dsa.cute.config import DET_WORKSPACE_BYTES
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 10, 64])
@@ -16,7 +17,7 @@ def test_entry_order_lists_each_rows_entries_in_order(chunk):
   b, t, k, s = 2, 5, 7, 6
   idx = rng.integers(-2, s + 2, (b, t, k)).astype(np.int32)
   tl = rng.integers(0, k + 1, (b, t)).astype(np.int32)
-  order, seg_end, rows = map(np.asarray, _native.det_entry_order(
+  order, seg_end, rows = map(np.asarray, deterministic.entry_order(
       jnp.asarray(idx), jnp.asarray(tl), s, chunk))
   width = chunk * k
   n_chunks = -(-(b * t) // chunk)
@@ -39,10 +40,10 @@ def test_entry_order_lists_each_rows_entries_in_order(chunk):
 def test_chunk_tokens_fit_the_workspace_budget():
   # H = 64, Dqk 576, K = 640: 1.47 MB per token -> 364 tokens in 512 MiB, rounded to 2 waves of
   # 132; H = 128 needs two head blocks per entry.
-  assert _native.det_chunk_tokens(4096, 640, 576, 64) == 264
-  assert _native.det_chunk_tokens(4096, 640, 576, 128) == 132
-  assert _native.det_chunk_tokens(10, 640, 576, 64) == 10
-  assert _native.det_chunk_tokens(4096, 640, 576, 64, budget=1) == 1
+  assert deterministic.chunk_tokens(4096, 640, 576, 64, DET_WORKSPACE_BYTES) == 264
+  assert deterministic.chunk_tokens(4096, 640, 576, 128, DET_WORKSPACE_BYTES) == 132
+  assert deterministic.chunk_tokens(10, 640, 576, 64, DET_WORKSPACE_BYTES) == 10
+  assert deterministic.chunk_tokens(4096, 640, 576, 64, 1) == 1
   for h in (1, 64, 100, 128):
-    tc = _native.det_chunk_tokens(1 << 20, 2048, 576, h)
-    assert tc * 2048 * (-(-h // 64)) * 576 * 4 <= _native.DET_WORKSPACE_BYTES
+    tc = deterministic.chunk_tokens(1 << 20, 2048, 576, h, DET_WORKSPACE_BYTES)
+    assert tc * 2048 * (-(-h // 64)) * 576 * 4 <= DET_WORKSPACE_BYTES

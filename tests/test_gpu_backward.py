@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 
 import jax_dsa
-from jax_dsa import _core, api
+from jax_dsa import api
+from jax_dsa.cute import BwdConfig, Config, config as kernel_config
 from cases import make_problem, rel_err
 import oracle
 
@@ -28,15 +29,15 @@ CASES = [
 
 
 def _kernel_or_skip(deterministic=False):
-  from jax_dsa import _native
+  from jax_dsa.cute import ffi
   problem = api.kernel_runtime_problem()
   if problem:
     pytest.skip(problem)
-  if not _native.has_backward(deterministic):
+  if not ffi.has_backward():
     pytest.skip("the library was built without the backward kernels")
 
 
-def _grad_fn(p, dtype, impl, w_o, w_lse, deterministic=False):
+def _grad_fn(p, dtype, impl, w_o, w_lse, deterministic=False, config=None):
   """(q, kv, sink, jitted function of (q, kv, sink) returning the gradients)."""
   q, kv = jnp.asarray(p.q, dtype), jnp.asarray(p.kv, dtype)
   idx = jnp.asarray(p.idx)
@@ -44,7 +45,8 @@ def _grad_fn(p, dtype, impl, w_o, w_lse, deterministic=False):
 
   def loss(q, kv, sink):
     o, lse = jax_dsa.sparse_mla(q, kv, idx, sink=sink, topk_length=tl, return_lse=True,
-                                implementation=impl, deterministic=deterministic)
+                                implementation=impl, deterministic=deterministic,
+                                config=config)
     return (jnp.sum(o.astype(jnp.float32) * w_o)
             + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_lse))
 
@@ -53,14 +55,15 @@ def _grad_fn(p, dtype, impl, w_o, w_lse, deterministic=False):
   return q, kv, sink, jax.jit(jax.grad(loss, argnums=argnums))
 
 
-def _grads(p, dtype, impl, w_o, w_lse, deterministic=False):
-  q, kv, sink, fn = _grad_fn(p, dtype, impl, w_o, w_lse, deterministic)
+def _grads(p, dtype, impl, w_o, w_lse, deterministic=False, config=None):
+  q, kv, sink, fn = _grad_fn(p, dtype, impl, w_o, w_lse, deterministic, config)
   return q, kv, fn(q, kv, sink)
 
 
 # The grouped backward (by default at H = 32, 16 and 8, G = 64 / H tokens per 64-row token; T a
 # multiple of G): tokens whose lists overlap (K close to S), duplicates, invalid entries, partial
-# lengths. _core._backward_group must pick G for each (asserted), so these run grouped.
+# lengths. jax_dsa.cute.select must pick G for each (asserted), so these run grouped by default;
+# each also runs with the union computed by XLA (BwdConfig(union="xla")).
 GROUPED_CASES = {
     2: [(1, 16, 32, 512, 4096, 640, True, "partial"),
         (2, 8, 32, 576, 60, 48, True, "partial"),
@@ -72,7 +75,6 @@ GROUPED_CASES = {
         (2, 8, 8, 576, 60, 48, True, "partial"),
         (1, 24, 8, 512, 100, 640, False, "none")],
 }
-_FORCED = _core._forced_bwd_impl()
 
 
 def _case_id(c):
@@ -86,23 +88,28 @@ def test_backward_kernel_matches_oracle_and_reference(case):
 
 @pytest.mark.parametrize("case", [c for g in sorted(GROUPED_CASES) for c in GROUPED_CASES[g]],
                          ids=_case_id)
-def test_grouped_backward_matches_oracle_and_reference(case):
+@pytest.mark.parametrize("union", ["kernel", "xla"])
+def test_grouped_backward_matches_oracle_and_reference(case, union):
   _kernel_or_skip()
   b, t, h, d, s, k = case[:6]
-  if _FORCED and not _FORCED.startswith(f"wgg{64 // h}"):  # wgg<G>, or a candidate wgg<G><suffix>
-    pytest.skip(f"JAX_DSA_BWD_IMPL={_FORCED} does not group H={h}")
-  assert _core._backward_group((b, t, h, d), k, s, False) == 64 // h, "not run grouped"
-  _check_kernel_gradients(case)
+  assert kernel_config.select((b, t, h, d), k, s).bwd.group == 64 // h, "not run grouped"
+  _check_kernel_gradients(case, Config(bwd=BwdConfig(group=64 // h, union=union)))
 
 
-def _check_kernel_gradients(case):
+@pytest.mark.parametrize("case", [GROUPED_CASES[4][0], GROUPED_CASES[8][1]], ids=_case_id)
+def test_plain_backward_at_small_h_through_config(case):
+  """The plain (ungrouped) kernel where select would group, pinned by config=."""
+  _check_kernel_gradients(case, Config(bwd=BwdConfig(group=1)))
+
+
+def _check_kernel_gradients(case, config=None):
   _kernel_or_skip()
   b, t, h, d, s, k, sink, topk = case
   rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
   p = make_problem(rng, b, t, h, d, s, k, sink=sink, topk=topk)
   w_o = rng.standard_normal((b, t, h, 512)).astype(np.float32)
   w_lse = rng.standard_normal((b, t, h)).astype(np.float32)
-  q, kv, got = _grads(p, jnp.bfloat16, "cute", w_o, w_lse)
+  q, kv, got = _grads(p, jnp.bfloat16, "cute", w_o, w_lse, config=config)
   _, _, ref = _grads(p, jnp.bfloat16, "xla", w_o, w_lse)
   want = oracle.dense_grads(np.asarray(q, np.float32), np.asarray(kv, np.float32), p.idx,
                             p.lengths, p.sink, p.scale, 512, w_o, w_lse)
@@ -117,7 +124,7 @@ def _check_kernel_gradients(case):
 @pytest.mark.parametrize("h,d", [(24, 576), (100, 512), (16, 512)],
                          ids=["H24D576", "H100D512", "H16D512"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_backward_never_writes_outside_valid_rows(deterministic, h, d, monkeypatch):
+def test_backward_never_writes_outside_valid_rows(deterministic, h, d):
   """Batches 0 and 2 select nothing, batch 1 lists -1, -S, S, S + 7 next to valid rows: a write
   at an invalid row of batch 1 would land in batch 0's last or batch 2's first rows (flat
   layout), which must stay exactly zero; rows of batch 1 never listed must stay zero too.
@@ -125,12 +132,11 @@ def test_backward_never_writes_outside_valid_rows(deterministic, h, d, monkeypat
   H=100, Dqk 512 (two head blocks, each adding to the same rows: 9 chunks). H=16 runs 8 tokens
   per batch, so the atomic backward runs grouped (4 tokens per union)."""
   _kernel_or_skip(deterministic)
-  from jax_dsa import _native
-  monkeypatch.setattr(_native, "DET_WORKSPACE_BYTES", 4 * 70 * 576 * 4)
+  config = Config(bwd=BwdConfig(workspace_bytes=4 * 70 * 576 * 4)) if deterministic else None
   rng = np.random.default_rng(5)
   b, t, s, k = 3, 8 if h == 16 else 6, 40, 70
-  if h == 16 and not deterministic and not _FORCED:
-    assert _core._backward_group((b, t, h, d), k, s, False) == 4, "not run grouped"
+  if h == 16 and not deterministic:
+    assert kernel_config.select((b, t, h, d), k, s).bwd.group == 4, "not run grouped"
   p = make_problem(rng, b, t, h, d, s, k, sink=True, topk="full", dead_row=False)
   p.idx[1] = rng.integers(10, 30, (t, k))
   p.idx[1, :, ::3] = -1
@@ -141,7 +147,7 @@ def test_backward_never_writes_outside_valid_rows(deterministic, h, d, monkeypat
   p.topk_length[2] = 0
   w_o = rng.standard_normal((b, t, h, 512)).astype(np.float32)
   _, _, (dq, dkv, _) = _grads(p, jnp.bfloat16, "cute", w_o, np.zeros((b, t, h), np.float32),
-                             deterministic)
+                             deterministic, config)
   dkv = np.asarray(dkv, np.float32)
   assert np.all(dkv[0] == 0) and np.all(dkv[2] == 0)
   untouched = np.setdiff1d(np.arange(s), p.idx[1][(p.idx[1] >= 0) & (p.idx[1] < s)])
@@ -167,18 +173,18 @@ DET_CASES = [
 
 @pytest.mark.parametrize("case", DET_CASES, ids=lambda c: "B{}T{}H{}D{}S{}K{}{}-{}-ws{}".format(
     *c[:6], "-sink" if c[6] else "", c[7], c[8]))
-def test_deterministic_backward_matches_oracle(case, monkeypatch):
+def test_deterministic_backward_matches_oracle(case):
   _kernel_or_skip(deterministic=True)
-  from jax_dsa import _native
   b, t, h, d, s, k, sink, topk, ws_tokens = case
+  config = None
   if ws_tokens is not None:
     n_hb = -(-h // 64)
-    monkeypatch.setattr(_native, "DET_WORKSPACE_BYTES", ws_tokens * k * n_hb * d * 4)
+    config = Config(bwd=BwdConfig(workspace_bytes=ws_tokens * k * n_hb * d * 4))
   rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
   p = make_problem(rng, b, t, h, d, s, k, sink=sink, topk=topk)
   w_o = rng.standard_normal((b, t, h, 512)).astype(np.float32)
   w_lse = rng.standard_normal((b, t, h)).astype(np.float32)
-  q, kv, got = _grads(p, jnp.bfloat16, "cute", w_o, w_lse, deterministic=True)
+  q, kv, got = _grads(p, jnp.bfloat16, "cute", w_o, w_lse, deterministic=True, config=config)
   _, _, atomic = _grads(p, jnp.bfloat16, "cute", w_o, w_lse)
   want = oracle.dense_grads(np.asarray(q, np.float32), np.asarray(kv, np.float32), p.idx,
                             p.lengths, p.sink, p.scale, 512, w_o, w_lse)

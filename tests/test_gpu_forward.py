@@ -45,13 +45,16 @@ def _kernel_or_skip():
     pytest.skip(problem)
 
 
-def _run_kernel(p, dtype, scale=None):
-  """The kernel through the FFI with poisoned outputs: (q, kv, o, lse) on the device."""
-  from jax_dsa import _native
+def _run_kernel(p, dtype, scale=None, kernel=None):
+  """The kernel (default: the one jax_dsa.cute.select picks) through the FFI with poisoned
+  outputs: (q, kv, o, lse) on the device."""
+  from jax_dsa.cute import config, ffi
   q, kv = jnp.asarray(p.q, dtype), jnp.asarray(p.kv, dtype)
   sink = np.full(p.q.shape[2], -np.inf, np.float32) if p.sink is None else p.sink
   scale = p.scale if scale is None else scale
-  fwd = jax.jit(functools.partial(_native.sparse_mla_fwd, scale=scale, poison_outputs=True))
+  kernel = kernel or config.select_fwd(p.q.shape[2]).kernel
+  fwd = jax.jit(functools.partial(ffi.sparse_mla_fwd, scale=scale, kernel=kernel,
+                                  poison_outputs=True))
   o, lse = fwd(q, kv, jnp.asarray(p.idx), jnp.asarray(p.lengths), jnp.asarray(sink))
   return q, kv, o, lse
 
@@ -79,6 +82,41 @@ def test_forward_kernel_matches_oracle(case):
   p = make_problem(np.random.default_rng(zlib.crc32(repr(case).encode())), b, t, h, d, s, k,
                    sink=sink, topk=topk)
   _assert_matches_oracle(p, *_run_kernel(p, jnp.bfloat16), p.scale)
+
+
+# H <= 32 can run either forward kernel: both, in one process, through the public config=.
+SMALL_H_CASES = [(2, 8, 8, 576, 2000, 63, True, "partial"), (1, 16, 32, 512, 4096, 640, True,
+                                                             "partial"),
+                 (1, 8, 3, 576, 100, 1152, False, "none")]
+
+
+@pytest.mark.parametrize("case", SMALL_H_CASES, ids=lambda c: "B{}T{}H{}D{}S{}K{}".format(*c[:6]))
+def test_both_forward_kernels_at_small_h_through_config(case):
+  _kernel_or_skip()
+  from jax_dsa.cute import Config, FwdConfig
+  b, t, h, d, s, k, sink, topk = case
+  p = make_problem(np.random.default_rng(zlib.crc32(repr(case).encode())), b, t, h, d, s, k,
+                   sink=sink, topk=topk)
+  q, kv = jnp.asarray(p.q, jnp.bfloat16), jnp.asarray(p.kv, jnp.bfloat16)
+  outs = {}
+  for kernel in ("small_heads", "pingpong"):
+    f = jax.jit(functools.partial(jax_dsa.sparse_mla, sink=jnp.asarray(p.sink),
+                                  topk_length=jnp.asarray(p.topk_length), return_lse=True,
+                                  implementation="cute", config=Config(fwd=FwdConfig(kernel))))
+    o, lse = f(q, kv, jnp.asarray(p.idx))
+    _assert_matches_oracle(p, q, kv, o, lse, p.scale)
+    outs[kernel] = np.asarray(o, np.float32)
+  assert rel_err(outs["small_heads"], outs["pingpong"]) < 1e-2
+
+
+def test_small_heads_config_refuses_large_h():
+  _kernel_or_skip()
+  from jax_dsa.cute import Config, FwdConfig
+  q = jnp.zeros((1, 2, 64, 512), jnp.bfloat16)
+  kv = jnp.zeros((1, 8, 512), jnp.bfloat16)
+  with pytest.raises(ValueError, match="small_heads"):
+    jax_dsa.sparse_mla(q, kv, jnp.zeros((1, 2, 4), jnp.int32), implementation="cute",
+                       config=Config(fwd=FwdConfig("small_heads")))
 
 
 @pytest.mark.parametrize("h,d", [(16, 512), (64, 512), (128, 576)])

@@ -1,5 +1,5 @@
 """The list-union kernel (in the default build, for the grouped backward) against
-jax_dsa.grouping's XLA formulation, which tests/test_grouping.py checks on the CPU: the lengths
+jax_dsa.cute.grouping's XLA formulation, which tests/test_grouping.py checks on the CPU: the lengths
 must be identical and, per group, the packed entries the same multiset (GPU only)."""
 import zlib
 
@@ -8,8 +8,9 @@ import pytest
 
 import jax.numpy as jnp
 
-from jax_dsa import _native, api
-from jax_dsa.grouping import group_lists, pack_entries
+from jax_dsa import api
+from jax_dsa.cute import ffi
+from jax_dsa.cute.grouping import group_lists, pack_entries
 
 pytestmark = pytest.mark.gpu
 
@@ -50,14 +51,14 @@ def test_union_kernel_matches_group_lists(case):
   problem = api.kernel_runtime_problem()
   if problem:
     pytest.skip(problem)
-  if not _native.has_group_union():
+  if not ffi.has_group_union():
     pytest.skip("the library was built without the list-union kernels")
   b, t, k, s, group, kind = case
   rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
   idx, lengths = _lists(rng, b, t, k, s, kind)
   rows, member, want_length = group_lists(idx, lengths, s, group)
   want = np.asarray(pack_entries(rows, member))
-  got, got_length = map(np.asarray, _native.group_union(idx, lengths, s, group))
+  got, got_length = map(np.asarray, ffi.group_union(idx, lengths, s, group))
   np.testing.assert_array_equal(got_length, np.asarray(want_length))
   assert got_length.max() > 0
   for bi in range(b):

@@ -1,4 +1,4 @@
-"""jax_dsa.grouping: merged index lists of consecutive tokens.
+"""jax_dsa.cute.grouping: merged index lists of consecutive tokens.
 
 Two properties: each token's multiset of valid rows is exactly the union entries carrying its bit;
 and attention computed over a group's union (rows of all G tokens' heads at once, each masked to
@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 
 import jax_dsa
-from jax_dsa import grouping
-from jax_dsa.grouping import MEMBER_SHIFT, group_lists
+from jax_dsa.cute import BwdConfig, Config, config as kernel_config, constants, grouping
+from jax_dsa.cute.grouping import MEMBER_SHIFT, group_lists
 from cases import make_problem, rel_err
 
 
@@ -124,100 +124,91 @@ def test_attention_over_the_union_matches_the_reference(h, group):
     assert rel_err(g, r) < 1e-4, (name, rel_err(g, r))
 
 
-# (forced JAX_DSA_BWD_IMPL, H, T, K, S, deterministic, union kernel built) -> group
+# (H, T, K, S, deterministic) -> the group jax_dsa.cute.select picks
 BACKWARD_GROUP_CASES = [
-    ("", 16, 4096, 640, 4096, False, True, 4),
-    ("", 8, 4096, 640, 4096, False, True, 8),
-    ("", 8, 16, 768, 4096, False, True, 8),      # G * K = 6144: the union kernel's capacity
-    ("", 8, 16, 769, 4096, False, True, 1),      # beyond it: the plain kernel
-    ("", 16, 4096, 2048, 4096, False, True, 1),
-    ("", 16, 4098, 640, 4096, False, True, 1),   # T not a multiple of 4
-    ("", 16, 4096, 640, 4096, True, True, 1),    # deterministic
-    ("", 16, 4096, 640, 1 << 23, False, True, 1),  # S too large for the membership bits
-    ("", 16, 4096, 640, 4096, False, False, 1),  # library without the grouped kernels
-    ("", 32, 4096, 640, 4096, False, True, 2),
-    ("", 32, 4096, 3072, 4096, False, True, 2),   # G * K = 6144
-    ("", 32, 4096, 3073, 4096, False, True, 1),
-    ("", 32, 4097, 640, 4096, False, True, 1),   # T odd
-    ("", 32, 4096, 640, 4096, True, True, 1),    # deterministic
-    ("", 24, 4096, 640, 4096, False, True, 1),   # 64 / H not a whole number of tokens
-    ("", 64, 4096, 640, 4096, False, True, 1),
-    ("", 4, 4096, 640, 4096, False, True, 1),
-    ("wg", 16, 4096, 640, 4096, False, True, 1),  # a forced plain variant never groups
-    ("wgk3", 8, 4096, 640, 4096, False, True, 1),
-    ("wgg4", 16, 4096, 2048, 4096, False, True, 4),  # forced: the union by XLA beyond 6144
-    ("wgg4", 8, 4096, 640, 4096, False, True, 1),  # forced, but H * G != 64
-    ("wgg2", 32, 4096, 640, 4096, False, True, 2),
-    ("wgg2", 16, 4096, 640, 4096, False, True, 1),  # forced, but H * G != 64
-    ("wgg4m", 16, 4096, 640, 4096, False, True, 4),  # a grouped candidate: its G
-    ("wgg8m", 16, 4096, 640, 4096, False, True, 1),  # ... and only where H * G = 64
+    (16, 4096, 640, 4096, False, 4),
+    (8, 4096, 640, 4096, False, 8),
+    (8, 16, 768, 4096, False, 8),      # G * K = 6144: the union kernel's capacity
+    (8, 16, 769, 4096, False, 1),      # beyond it: the plain kernel
+    (16, 4096, 2048, 4096, False, 1),
+    (16, 4098, 640, 4096, False, 1),   # T not a multiple of 4
+    (16, 4096, 640, 4096, True, 1),    # deterministic
+    (16, 4096, 640, 1 << 23, False, 1),  # S too large for the membership bits
+    (32, 4096, 640, 4096, False, 2),
+    (32, 4096, 3072, 4096, False, 2),   # G * K = 6144
+    (32, 4096, 3073, 4096, False, 1),
+    (32, 4097, 640, 4096, False, 1),   # T odd
+    (32, 4096, 640, 4096, True, 1),    # deterministic
+    (24, 4096, 640, 4096, False, 1),   # 64 / H not a whole number of tokens
+    (64, 4096, 640, 4096, False, 1),
+    (4, 4096, 640, 4096, False, 1),
 ]
 
 
 @pytest.mark.parametrize("case", BACKWARD_GROUP_CASES, ids=str)
-def test_backward_group_choice(case, monkeypatch):
-  """Which calls the backward runs grouped (_core._backward_group)."""
-  from jax_dsa import _core, _native
-  forced, h, t, k, s, deterministic, built, want = case
-  monkeypatch.setattr(_core, "_forced_bwd_impl", lambda: forced)
-  monkeypatch.setattr(_native, "has_group_union", lambda: built, raising=False)
-  assert _core._backward_group((1, t, h, 576), k, s, deterministic) == want
+def test_backward_group_choice(case):
+  """Which calls the backward runs grouped by default (jax_dsa.cute.select)."""
+  h, t, k, s, deterministic, want = case
+  cfg = kernel_config.select((1, t, h, 576), k, s, deterministic=deterministic)
+  assert cfg.bwd.group == want
+  assert cfg.fwd.kernel == ("small_heads" if h <= 32 else "pingpong")
+  # Resolving None fields gives the same choice; a pinned valid choice is kept.
+  assert kernel_config.resolve(None, (1, t, h, 576), k, s, deterministic) == cfg
+  pinned = Config(bwd=BwdConfig(group=1))
+  assert kernel_config.resolve(pinned, (1, t, h, 576), k, s, deterministic).bwd.group == 1
 
 
-def test_union_capacity_matches_the_kernel():
-  """_core.UNION_CAPACITY is the list-union kernel's CAPACITY, and its FFI handler
-  (ffi/group_union.cc) has the same capacity and table sizes (read from the sources, which
-  needs no GPU and no nvidia-cutlass-dsl)."""
+@pytest.mark.parametrize("bwd,h,t,k,s,deterministic,match", [
+    (BwdConfig(group=4), 8, 8, 4, 32, False, "H \\* 4 = 64"),
+    (BwdConfig(group=4), 16, 6, 4, 32, False, "T a multiple"),
+    (BwdConfig(group=4), 16, 8, 4, 32, True, "deterministic"),
+    (BwdConfig(group=4), 16, 8, 2048, 32, False, "union='xla'"),
+])
+def test_pinned_backward_config_that_cannot_run_raises(bwd, h, t, k, s, deterministic, match):
+  with pytest.raises(ValueError, match=match):
+    kernel_config.resolve(Config(bwd=bwd), (1, t, h, 576), k, s, deterministic)
+  # The XLA union has no capacity limit.
+  if k > constants.UNION_CAPACITY // 4:
+    kernel_config.resolve(Config(bwd=BwdConfig(group=4, union="xla")), (1, t, h, 576), k, s,
+                          deterministic)
+
+
+def test_config_fields_are_checked():
+  from jax_dsa.cute import FwdConfig
+  with pytest.raises(ValueError, match="FwdConfig.kernel"):
+    FwdConfig("ws2")
+  with pytest.raises(ValueError, match="BwdConfig.group"):
+    BwdConfig(group=3)
+  with pytest.raises(ValueError, match="BwdConfig.union"):
+    BwdConfig(union="cpu")
+  with pytest.raises(TypeError, match="Config.bwd"):
+    Config(bwd=FwdConfig())
+  with pytest.raises(TypeError, match="config must be"):
+    jax_dsa.sparse_mla(jnp.zeros((1, 2, 4, 8)), jnp.zeros((1, 3, 8)),
+                       jnp.zeros((1, 2, 1), jnp.int32), d_v=8, config="pingpong")
+
+
+def test_constants_reach_the_kernels_and_handlers_from_one_place():
+  """The kernels and handlers take the shared constants from jax_dsa/cute/constants.py (the
+  build generates jax_dsa_constants.h): no copy of them in the sources (read as text: no GPU
+  or CuTe DSL needed)."""
   import re
-  from jax_dsa import _core
-  path = os.path.join(os.path.dirname(jax_dsa.__file__), "kernels", "sm90", "group_union.py")
-  with open(path) as f:
-    kernel = f.read()
-  capacity = int(re.search(r"^CAPACITY = (\d+)", kernel, re.M).group(1))
-  tables = [int(x) for x in re.search(r"^TABLES = \(([\d, ]+)\)", kernel, re.M).group(1).split(",")]
-  assert _core.UNION_CAPACITY == capacity == 3 * max(tables) // 4
-  handler = os.path.join(os.path.dirname(__file__), "..", "ffi", "group_union.cc")
-  with open(handler) as f:
-    cc = f.read()
-  assert int(re.search(r"kUnionCapacity = (\d+);", cc).group(1)) == capacity
-  cc_tables = re.search(r"kUnionTables\[\] = \{([\d, ]+)\};", cc).group(1)
-  assert [int(x) for x in cc_tables.split(",")] == sorted(tables)
-
-
-@pytest.mark.parametrize("h,t,deterministic", [(8, 8, False), (16, 6, False), (16, 8, True)])
-def test_grouped_backward_refuses_what_it_cannot_run(h, t, deterministic, monkeypatch):
-  """The grouped path refuses a call it cannot serve; under JAX_DSA_BWD_IMPL=wgg4 (and by
-  default) such a call runs the plain kernel instead (the library picks the grouped kernel per
-  call)."""
-  from jax_dsa import _core, _native
-  q = jnp.zeros((1, t, h, 8), jnp.bfloat16)
-  kv = jnp.zeros((1, 32, 8), jnp.bfloat16)
-  idx = jnp.zeros((1, t, 4), jnp.int32)
-  tl = jnp.full((1, t), 4, jnp.int32)
-  lse = jnp.zeros((1, t, h), jnp.float32)
-  with pytest.raises(NotImplementedError, match="grouped backward"):
-    _core._grouped_kernel_backward(q, kv, idx, tl, lse, q, q, jnp.stack([lse, lse], -1),
-                                   scale=1.0, deterministic=deterministic, group=4)
-  calls = []
-
-  def plain_kernel(q, kv, idx, topk_length, lse, do, o, coef, scale, group=1):
-    calls.append(group)
-    return (jnp.zeros_like(q), jnp.zeros(kv.shape, jnp.float32),
-            jnp.zeros(q.shape[:3], jnp.float32))
-
-  monkeypatch.setattr(_core, "_forced_bwd_impl", lambda: "wgg4")
-  monkeypatch.setattr(_native, "sparse_mla_bwd", plain_kernel, raising=False)
-  monkeypatch.setattr(_native, "sparse_mla_bwd_deterministic", plain_kernel, raising=False)
-  sink = jnp.zeros((h,), jnp.float32)
-  _core._kernel_backward(q, kv, idx, tl, sink, q, lse, q, lse, scale=1.0,
-                         deterministic=deterministic)
-  assert calls == [1]
+  root = os.path.join(os.path.dirname(__file__), "..", "ffi")
+  union = open(os.path.join(root, "kernels", "sm90", "group_union.py")).read()
+  assert re.search(r"^from jax_dsa.cute.constants import MEMBER_SHIFT", union, re.M)
+  assert not re.search(r"^(CAPACITY|TABLES|MEMBER_SHIFT) = ", union, re.M)
+  for cc in ("group_union.cc", "sparse_mla_bwd.cc", "sparse_mla_fwd.cc", "common.h"):
+    text = open(os.path.join(root, cc)).read()
+    assert not re.search(r"constexpr int64_t k(UnionCapacity|UnionTables|MemberShift|DV)\b",
+                         text), cc
+  assert constants.UNION_CAPACITY == 3 * max(constants.UNION_TABLES) // 4
+  assert constants.GROUPS == (2, 4, 8) and 31 - constants.MEMBER_SHIFT >= max(constants.GROUPS)
 
 
 def _grouped_kernel_emulator(q, kv, entries, length, lse, do, o, coef, scale, group):
   """What the grouped backward kernel (`group=4`, H' = 64 rows of 4 tokens x 16 heads)
   computes, in dense fp32: entry j of a group is row entry & (2^23 - 1), seen by head row i when
-  bit 23 + i // 16 is set; the rest as _native.sparse_mla_bwd documents."""
+  bit 23 + i // 16 is set; the rest as jax_dsa.cute.ffi.sparse_mla_bwd documents."""
   assert group == 4
   b, n, rows_h, d = q.shape
   s_rows = kv.shape[1]
@@ -247,7 +238,7 @@ def _grouped_kernel_emulator(q, kv, entries, length, lse, do, o, coef, scale, gr
 
 
 def _union_kernel_emulator(idx, topk_length, num_kv_rows, group):
-  """_native.group_union's contract without a GPU: the packed union entries and lengths, each
+  """jax_dsa.cute.ffi.group_union's contract without a GPU: the packed union entries and lengths, each
   group's valid entries in another order (the kernel emits them in hash-slot order)."""
   rows, member, length = grouping.group_lists(idx, topk_length, num_kv_rows, group)
   packed = grouping.pack_entries(rows, member)
@@ -260,10 +251,11 @@ def _union_kernel_emulator(idx, topk_length, num_kv_rows, group):
 
 @pytest.mark.parametrize("union", ["xla", "kernel"])
 def test_grouped_backward_plumbing_matches_the_reference(monkeypatch, union):
-  """_core's grouped path (views, packed entries, union lengths, delta and dsink) with the
-  kernel replaced by _grouped_kernel_emulator, and the list union taken from XLA or from the
-  union kernel (emulated), gives the reference backward's gradients."""
-  from jax_dsa import _core, _native, reference
+  """jax_dsa.cute.kernel's grouped path (views, packed entries, union lengths, delta and dsink)
+  with the kernel replaced by _grouped_kernel_emulator, and the list union taken from XLA or
+  from the union kernel (emulated), gives the reference backward's gradients."""
+  from jax_dsa import reference
+  from jax_dsa.cute import ffi, kernel
   rng = np.random.default_rng(7)
   b, t, h, d, s, k = 2, 8, 16, 576, 40, 24
   p = make_problem(rng, b, t, h, d, s, k, sink=True, topk="partial")
@@ -273,12 +265,10 @@ def test_grouped_backward_plumbing_matches_the_reference(monkeypatch, union):
   do = jnp.asarray(rng.standard_normal(o.shape), jnp.float32)
   dlse = jnp.asarray(rng.standard_normal(lse.shape), jnp.float32)
   want = reference.backward(q, kv, idx, tl, sink, o, lse, do, dlse, scale=p.scale, d_v=512)
-  # The default groups (G = 64 / 16) when the union kernel is built; wgg4 forces it otherwise.
-  monkeypatch.setattr(_core, "_forced_bwd_impl", lambda: "" if union == "kernel" else "wgg4")
-  monkeypatch.setattr(_native, "sparse_mla_bwd", _grouped_kernel_emulator, raising=False)
-  monkeypatch.setattr(_native, "has_group_union", lambda: union == "kernel", raising=False)
-  monkeypatch.setattr(_native, "group_union", _union_kernel_emulator, raising=False)
-  got = _core._kernel_backward(q, kv, idx, tl, sink, o, lse, do, dlse, scale=p.scale,
-                               deterministic=False)
+  cfg = kernel_config.resolve(Config(bwd=BwdConfig(group=4, union=union)), q.shape, k, s, False)
+  monkeypatch.setattr(ffi, "sparse_mla_bwd", _grouped_kernel_emulator)
+  monkeypatch.setattr(ffi, "group_union", _union_kernel_emulator)
+  got = kernel.backward(q, kv, idx, tl, sink, o, lse, do, dlse, scale=p.scale, config=cfg,
+                        deterministic=False)
   for name, g, w in zip(("dq", "dkv", "dsink"), got, want):
     assert rel_err(g, w) < 1e-4, (name, rel_err(g, w))

@@ -6,10 +6,10 @@ import subprocess
 
 import pytest
 
-from jax_dsa import _native
+from jax_dsa.cute import ffi as _native
 
 needs_lib = pytest.mark.skipif(
-    not os.path.isfile(_native.LIB_PATH), reason="kernel library not built (tools/build_kernels.py)"
+    not os.path.isfile(_native.LIB_PATH), reason="kernel library not built (ffi/build.py)"
 )
 
 
@@ -26,7 +26,9 @@ def test_library_loads_and_exports_handlers():
               "JaxDsaGroupUnionSm90", "JaxDsaGroupUnionInit", "JaxDsaGroupUnionNumKernels",
               "JaxDsaSparseMlaBwdGroupedSm90"):
     assert getattr(lib, sym) is not None
-  assert _native.has_backward() and _native.has_backward(deterministic=True)
+  assert _native.has_backward()
+  lib.JaxDsaBwdNumKernels.restype = ctypes.c_int
+  assert lib.JaxDsaBwdNumKernels() == 20  # plain, deterministic, 3 grouped x 4 specs
   # The default build has the list-union kernels (G = 2, 4, 8, each with 3 table sizes) that the
   # grouped backward needs; without them H = 32 / 16 / 8 would silently run the slower plain kernel.
   assert _native.has_group_union()

@@ -1,95 +1,25 @@
-"""Sparse MLA forward for sm_90a: warp-specialized, ping-pong consumers. The default for H > 32.
+"""Sparse MLA forward for sm_90a, 64 heads per CTA (H > 32): warp-specialized ping-pong.
 
-Same math, grid, arguments and contract as sparse_mla_fwd_ws (export tag "ws2"; JAX_DSA_FWD_IMPL=ws
-selects the predecessor). Measured on the H200 (T = S = 4096, D = 512, K = 640): H = 64 0.83 ms
-against ws's 0.91, H = 128 1.70 ms (ws 1.71), K = 1152 2.81 ms (ws 2.80): short of the 2.6-3.2
-kclk/block predicted below. ncu at H = 64: tensor pipe 44 % busy, L2 33 %, L1 49 %, issue slots
-37 %, nothing saturated; the gather is the suspect (see docs/performance.md). v9 (2026-11-30):
-lazy O rescaling (LAZY_RESCALE_LOG2; the chain below then skips the O / row-sum multiplies and
-WG0's second P0 store while the maxima do not move), 2-4 % faster: H = 64 0.81 ms, H = 128
-1.59 ms, K = 1152 2.59 ms. v10: ring halves 0 L / 1 L released as soon as WG0's wgmma on them
-completes, P tiles stored by stmatrix, WG1's RS P V issued before its P1 store: H = 64 0.79 ms,
-H = 128 1.53 ms, K = 1152 2.52 ms.
+One CTA per (token, block of up to 64 heads): grid (T, ceil(H / 64), B), 384 threads, one CTA
+per SM. Warpgroup 0 is the producer (setmaxnreg 72): it gathers 64-row KV blocks by index with
+16-byte cp.async into a 2-stage ring (stage = block parity), zero-fills invalid rows and
+publishes per-row validity. Warpgroups 1 and 2 are consumers (setmaxnreg 216) that own the even
+and the odd blocks: each computes the whole 64 x 64 S of its block (wgmma 64x64x16), the two
+exchange row maxima as a chain through named barriers, and each accumulates its half of O
+(d_v columns [256 g, 256 g + 256)) over both blocks of a pair: P in registers for its own block
+(wgmma RS), from shared memory for the other (SS). The ring is released in column halves
+(L = 0..255, R = 256..Dqk-1) so the producer refills early. Row maxima are rescaled lazily
+(LAZY_RESCALE_LOG2). docs/kernels.md derives the schedule and its barrier protocol.
 
-Measured and removed (git history, docs/performance.md): "ws2c" (the two head blocks of a token
-as a 2-CTA cluster sharing each gathered row over DSMEM: correct, 17 % slower at H = 128),
-"ws2i" (indices loaded a pair ahead: no faster, with the v4 and the v16 producer), "ws2e" (the
-first indices loaded before topk_length: no faster) and "ws2p" (persistent, the next item's Q
-load and first Q K^T overlapping the current item's end: 6-10 % slower). Cycle figures below are
-per SM, at the H100/H200 dense bf16 rate of 2048 FMA/clk and 128 B/clk of shared memory;
-"block" = 64 gathered KV rows x 64 heads.
+Shared memory: Dqk 576: Q 72 KB + 2 x 72 KB ring + 8 KB P1 tile (P0 sits in the dead rope
+columns of stage 0) = 224 KB; Dqk 512: 64 + 128 + 2 x 8 KB = 208 KB. Registers: 2 x 128 x 216 +
+128 x 72 = 64512, no spills. No wgmma group is in flight across a loop back edge (ptxas would
+serialize every wgmma, C7514).
 
-Why not the FA3 intra-warpgroup pipeline on top of ws
------------------------------------------------------
-The plan was: issue Q K^T of block n+1 before the softmax of block n. With the 2-stage ring,
-block n+1 lives in the stage of block n-1, which the producer may refill only after P V(n-1)
-completed (it reads every V column of that stage). Issuing Q K^T(n+1) before softmax(n) would
-need n+1 gathered between "P V(n-1) done" and "softmax(n) starts", i.e. with zero time for the
-gather (G ~ 64 KB at ~30-60 B/clk + ~800 clk latency = 1.5-3 kclk): it deadlocks if the wait
-blocks, and a non-blocking try can never succeed. In general with a 2-stage ring the period P
-obeys 2P - D >= G, D = time from the start of Q K^T(n) to the end of P V(n); lagging Q K^T one
-block ahead makes D ~ 2P and leaves no room. A 3rd stage (Q 64 KB + 3 x 64 KB = 256 KB at
-Dqk 512, 288 KB at 576) does not fit in 227 KB. So the overlap must come from the *other*
-warpgroup instead, without lengthening any block's own chain D:
-
-Design: ping-pong over pairs of blocks (FlashMLA's SM90 scheduling idea, re-derived here)
--------------------------------------------------------------------------------------------
-  * WG0 owns the even blocks (always ring stage 0), WG1 the odd blocks (stage 1). Each owner
-    computes the whole 64 x 64 S of its block (wgmma 64x64x16 over Dqk): per instruction 2 KB of
-    Q + 2 KB of K for 32 clk of math = exactly the 128 B/clk shared-memory budget, against ws's
-    64x32x16 (2 KB + 1 KB for 16 clk = 192 B/clk): Q K^T drops from 1536 clk/block
-    (smem-bound, 192 KB read) to 1024 clk/block (128 KB read).
-  * Each warpgroup still owns half of O (d_v columns [256 g, 256 g + 256)), so P V of every
-    block is done by both: the owner with P in registers (wgmma RS, no P traffic: 32 KB of V
-    per block and group), the other group with P from shared memory (SS). P V stays 1024
-    clk/block of math; smem 32 + 32 + 8 KB per pair and group.
-  * Max exchange is a chain instead of a rendezvous (one named barrier each way per pair):
-      WG0: S0 -> m0 = max(m, rowmax S0) (lazily m) -> publish m0 (bar.arrive M0) ->
-           P0 = exp2(S0 - m0), O_0 *= exp2(m - m0), P0 to smem -> issue O_0 += P0 V0[:, :256]
-           (RS) -> wait M1 -> m1 -> (if m1 != m0: P0' = P0 * exp2(m0 - m1) to smem,
-           O_0 *= exp2(m0 - m1)) -> bar.arrive P0 -> wait P1 -> issue O_0 += P1 V1[:, :256]
-           (SS, left in flight under the next Q K^T).
-      WG1: S1 -> wait M0 -> m1 = max(m0, rowmax S1) (lazily m0) -> publish (bar.arrive M1) ->
-           P1, O_1 *= exp2(m - m1) -> issue O_1 += P1 V1[:, 256:] (RS), P1 to smem
-           (bar.arrive P1) -> wait P0 -> issue O_1 += P0' V0[:, 256:] (SS) -> wait both, release.
-    Both end a pair with the same running max m1, so their row sums add up in the epilogue.
-    While WG0 runs its softmax, WG1's Q K^T (and vice versa) keeps the tensor cores busy: the
-    softmax (~600-800 clk of latency: masks, shuffles, 32 exp2, 128 O FMULs, P store, fences)
-    hides behind the other group's 1024-clk Q K^T instead of adding to the period.
-  * The ring is released in column halves so the producer can refill early: L = columns
-    0..255 (read by Q K^T and by WG0's P V), R = columns 256..Dqk-1 (Q K^T, WG1's P V and, at
-    Dqk 576, WG0's P tile in the dead rope columns of stage 0). Per stage s and half h there is
-    a "full" mbarrier (256 arrivals: 128 cp.async noinc + 128 plain, per producer thread) and an
-    "empty" mbarrier (128 arrivals: only the group whose P V reads that half):
-        stage 0 L: WG0 after its RS P V(2m);    stage 0 R: WG1 after its SS P V(2m)
-        stage 1 R: WG1 after its RS P V(2m+1);  stage 1 L: WG0 after its SS P V(2m+1)
-    (every Q K^T of a stage is complete before either group's P V on it can start, because the
-    P V needs the max chain, which needs both owners' S). The producer fills in the order the
-    consumers need them: 0L, 1R, 0R, 1L; WG0 runs its Q K^T left columns first, WG1 right
-    first, so each Q K^T starts on the half released earliest.
-  * Per pair (two blocks) tensor-pipe time 2 x 1024 (Q K^T) + 2 x 1024 (P V) = 4096 clk, i.e.
-    2048/block vs ws's 1536 + 1024 = 2560 plus ~800-1000 of unhidden softmax/barrier latency
-    (ws measured ~4.5-5 kclk/block at H=64). Expected ~2.6-3.2 kclk/block steady state ->
-    H=64, K=640 (10 blocks/CTA, 31 waves): ~0.68-0.78 ms; H=128 ~1.35-1.5 ms; H=128 K=1152
-    ~2.2-2.5 ms. The gather (producer) window per half stage is about half a pair period; if
-    the gather is the limit this shows as consumers waiting on "full" barriers.
-  * Shared memory: Dqk 576: Q 72 KB + 2 x 72 KB + P1 tile 8 KB (P0 sits in stage 0's rope
-    columns) = 224 KB (+~1.3 KB); Dqk 512: 64 + 128 + 2 x 8 = 208 KB (+~1.3 KB).
-  * Registers: consumers setmaxnreg 216 (O half 128 + S 32 + P 16 bit 16 + row state),
-    producer 72 (2 x 128 x 216 + 128 x 72 = 64512); ptxas: 0 spills. No wgmma is in flight
-    across a loop back edge (WG0 issues the next pair's Q K^T at the end of the pair and waits
-    for it there; WG1 waits for everything at the end of its pair): otherwise ptxas cannot
-    track the pending groups and serializes every wgmma of the kernel (C7514).
-
-Named barriers (256 threads: one group arrives, the other syncs): 1 consumer-wide sync (Q ready
-and epilogue), 2 M0, 3 M1, 4 P0, 5 P1. Reuse is safe because every "arrive X(m+1)" is ordered
-after the partner's "sync X(m)" through the opposite barrier of the same pair.
-Contract kept from ws: heads h >= H are zero rows (never stored, sink/lse guarded); invalid
-slots (idx < 0, idx >= S, j >= topk_length) are never read (zero-filled rows) and masked to
--inf; dead rows o = 0, lse = -inf, never NaN (a fully masked block uses max 0 and factors 0);
-the sink only enters the denominator; 64-bit offsets; a token with an odd number of blocks
-runs a last pair without block 2m+1 (its fills, Q K^T, RS P V and SS P V are skipped, the named
-barriers still run so that both groups stay in step); 0 blocks: epilogue only.
+Contract: heads h >= H are zero Q rows, never stored (sink and lse accesses guarded); invalid
+slots (idx < 0, idx >= S, j >= topk_length) are never read and are masked to -inf; a row
+without valid entries gets o = 0 and lse = -inf; the sink enters the denominator only; all row
+offsets are 64-bit. Arguments: common.fwd_fake_args (flattened row-major views).
 """
 
 import cutlass
@@ -98,9 +28,10 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 import cuda.bindings.driver as cuda
 
-from jax_dsa.kernels.sm90.common import (LOG2_E, cp_async_16_zfill, fwd_fake_args,
-                                         gather_source)
-from jax_dsa.kernels.sm90.sparse_mla_fwd_ws import SparseMlaFwdWsSm90
+from cutlass.cute.nvgpu import cpasync
+
+from .common import (LN_2, LOG2_E, acc_mn_view, chunk16, cp_async_16_zfill, fwd_fake_args,
+                     gather_source, quad_allreduce, ring_stage)
 
 CONSUMER_BAR = 1  # both consumer groups (Q ready, epilogue)
 BAR_M0 = 2  # WG0's new row max published (WG0 arrives, WG1 syncs)
@@ -118,12 +49,27 @@ FULL_0L, FULL_0R, FULL_1L, FULL_1R = 0, 1, 2, 3
 EMPTY_0L, EMPTY_0R, EMPTY_1L, EMPTY_1R = 4, 5, 6, 7
 
 
-class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
+class SparseMlaFwdPingPongSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512):
-        super().__init__(dtype, d_qk, d_v)
+        assert d_v == 512 and d_qk in (512, 576)
+        self.dtype = dtype
+        self.d_qk = d_qk
+        self.d_v = d_v
+        self.bm = 64  # head rows per CTA
+        self.bn = 64  # gathered KV rows per block
         self.bn_g = self.bn  # each owner scores all 64 keys of its block
+        self.dv_g = d_v // 2  # O columns per consumer warpgroup
+        self.chunks = d_qk // 8  # 16-byte chunks per row
         self.half_chunks = self.dv_g // 8  # 16-byte chunks of the L half (32)
         self.k_half = self.dv_g // 16  # k16 steps of Q K^T over the L half (16)
+        self.threads = 384
+        self.n_cons = 256  # consumer threads
+        self.tpr = self.n_cons // self.bm  # consumer threads per row for the Q / O copies (4)
+        self.p_tpr = 8  # producer threads per gathered row
+        self.p_rows = 128 // self.p_tpr  # rows covered per pass (16)
+        self.p_passes = self.bn // self.p_rows  # 4 rows per producer thread
+        self.p_in_rope = d_qk == d_v + 64  # P tile stored in the dead rope columns
+        assert self.chunks % self.p_tpr == 0
         assert (self.chunks - self.half_chunks) % self.p_tpr == 0
         # 2 x 128 x 216 + 128 x 72 = 64512 <= 65536 registers.
         self.prod_regs = 72
@@ -164,6 +110,24 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
             min_blocks_per_mp=1,
             stream=stream,
         )
+
+    def _smem_layouts(self):
+        """The 128 B K-major swizzle atom, then the outer layouts of Q, a KV stage, V^T (MN-major
+        view of the same bytes), a P tile (the swizzle goes on the pointers: byte-address
+        swizzle), and the software-swizzled O staging tile (element-unit 128 B swizzle), whole
+        and per group."""
+        k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
+        mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, self.dtype)
+        sQ_layout = cute.tile_to_shape(k_atom, (self.bm, self.d_qk), (0, 1))
+        sKV_layout = cute.tile_to_shape(k_atom, (self.bn, self.d_qk), (0, 1))
+        sVt_layout = cute.tile_to_shape(mn_atom, (self.dv_g, self.bn), (1, 0))
+        sP_layout = cute.tile_to_shape(k_atom, (self.bm, self.bn), (0, 1))
+        o_atom = cute.make_composed_layout(
+            cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
+        )
+        sO_layout = cute.tile_to_shape(o_atom, (self.bm, self.d_v), (0, 1))
+        sOg_layout = cute.tile_to_shape(o_atom, (self.bm, self.dv_g), (0, 1))
+        return k_atom, sQ_layout, sKV_layout, sVt_layout, sP_layout, sO_layout, sOg_layout
 
     def _storage_and_mmas(self, sQ_layout, sKV_layout, sP_layout):
         """The shared-memory struct (Q, the 2-stage ring, P tiles, row flags, the row-sum / max
@@ -325,7 +289,7 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
                 for r in cutlass.range_constexpr(n_rows):
                     S_mn[r, c] = -cutlass.Float32.inf
         for r in cutlass.range_constexpr(n_rows):
-            mx[r] = self._quad_allreduce(
+            mx[r] = quad_allreduce(
                 S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0),
                 cute.arch.fmax,
             )
@@ -461,10 +425,10 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
             kh = self.k_half
             acc_O = thr_rs.make_fragment_C(thr_rs.partition_shape_C((bm, self.dv_g)))
             acc_O.fill(0.0)
-            O_mn = self._acc_mn_view(acc_O)
-            tScS = self._acc_mn_view(thr_qk.partition_C(cute.make_identity_tensor((bm, bn))))
+            O_mn = acc_mn_view(acc_O)
+            tScS = acc_mn_view(thr_qk.partition_C(cute.make_identity_tensor((bm, bn))))
             acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((bm, bn)))
-            S_mn = self._acc_mn_view(acc_S)
+            S_mn = acc_mn_view(acc_S)
             # P in registers as the A operand of the RS P V (for 16-bit types the per-thread
             # order of a 64x64 accumulator is that of the four k16 A fragments).
             tOrP = cute.make_rmem_tensor(thr_rs.partition_shape_A((bm, bn)), self.dtype)
@@ -478,7 +442,7 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
             row_sum.fill(0.0)
 
             # Own stage (= cg): whole 64-key tile for Q K^T; V halves (column offset 256 g).
-            sK_own = self._stage(kv_sw, sKV_layout, cg)
+            sK_own = ring_stage(kv_sw, sKV_layout, cg)
             tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK_own))
             v_off = cg * (bn * self.dv_g)
             sV_own = cute.make_tensor(
@@ -690,9 +654,104 @@ class SparseMlaFwdWs2Sm90(SparseMlaFwdWsSm90):
             self._epilogue(acc_O, row_sum, row_max, tScS, sRed, mSink, mLse, mO, q_base,
                            sO_layout, sOg_layout, pv_rs, bt, h0, H, cg, gtid, crow, csub, q_ok)
 
+    @cute.jit
+    def _issue_q(self, mQ: cute.Tensor, q_base, swz: cute.Swizzle, sQ_layout: cute.Layout,
+                 bt: cutlass.Int64, h0: cutlass.Int32, H: cutlass.Int32, crow: cutlass.Int32,
+                 csub: cutlass.Int32):
+        """This consumer thread's share of the Q tile: cp.async of head h0 + crow's chunks
+        csub + tpr i (zeros for heads h >= H), committed as one group. Returns h0 + crow < H."""
+        sQ = cute.make_tensor(cute.recast_ptr(q_base, swizzle_=swz), sQ_layout)
+        cp_atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+            self.dtype,
+            num_bits_per_copy=128,
+        )
+        q_ok = h0 + crow < H
+        if q_ok:
+            q_row = bt * cutlass.Int64(H) + cutlass.Int64(h0 + crow)
+            for i in cutlass.range_constexpr(self.chunks // self.tpr):
+                c = csub + self.tpr * i
+                cute.copy(cp_atom, chunk16(mQ, q_row, c), chunk16(sQ, crow, c))
+        else:
+            for i in cutlass.range_constexpr(self.chunks // self.tpr):
+                chunk16(sQ, crow, csub + self.tpr * i).fill(0)
+        cute.arch.cp_async_commit_group()
+        return q_ok
 
-def compile_fwd_ws2(dtype, d_qk: int, d_v: int = 512):
+    @cute.jit
+    def _normalize(self, acc_O: cute.Tensor, row_sum: cute.Tensor, row_max: cute.Tensor,
+                   tScS: cute.Tensor, sRed: cute.Tensor, red_off, mSink: cute.Tensor,
+                   mLse: cute.Tensor, bt: cutlass.Int64, h0: cutlass.Int32, H: cutlass.Int32,
+                   cg: cutlass.Int32, gtid: cutlass.Int32):
+        """Consumers, after the last block: add the two groups' row sums (through
+        sRed[red_off:] and the consumer barrier), normalise O with the sink in the denominator
+        only, write lse (natural log; -inf on dead rows) for live heads."""
+        bm = self.bm
+        n_rows = cute.size(tScS, mode=[0])
+        l_all = cute.make_rmem_tensor(n_rows, cutlass.Float32)
+        for r in cutlass.range_constexpr(n_rows):
+            l_all[r] = quad_allreduce(row_sum[r], lambda a, c: a + c)
+        if gtid % 4 == 0:
+            for r in cutlass.range_constexpr(n_rows):
+                sRed[red_off + cg * bm + tScS[r, 0][0]] = l_all[r]
+        cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=self.n_cons)
+        for r in cutlass.range_constexpr(n_rows):
+            row = tScS[r, 0][0]
+            l_all[r] = sRed[red_off + row] + sRed[red_off + bm + row]
+        O_mn = acc_mn_view(acc_O)
+        for r in cutlass.range_constexpr(n_rows):
+            l = l_all[r]
+            m = row_max[r]
+            m_use = 0.0 if m == -cutlass.Float32.inf else m
+            h = h0 + tScS[r, 0][0]
+            denom = l
+            if h < H:
+                denom = l + cute.math.exp2(mSink[h] * LOG2_E - m_use, fastmath=True)
+            inv = 0.0 if denom <= 0.0 else 1.0 / denom
+            O_mn[r, None] = O_mn[r, None].load() * inv
+            if cg == 0 and gtid % 4 == 0 and h < H:
+                lse = -cutlass.Float32.inf
+                if l > 0.0:
+                    lse = (m_use + cute.math.log2(l)) * LN_2
+                mLse[bt * cutlass.Int64(H) + cutlass.Int64(h)] = lse
+
+    @cute.jit
+    def _epilogue(self, acc_O: cute.Tensor, row_sum: cute.Tensor, row_max: cute.Tensor,
+                  tScS: cute.Tensor, sRed: cute.Tensor, mSink: cute.Tensor, mLse: cute.Tensor,
+                  mO: cute.Tensor, q_base, sO_layout: cute.ComposedLayout,
+                  sOg_layout: cute.ComposedLayout, o_mma: cute.TiledMma, bt: cutlass.Int64,
+                  h0: cutlass.Int32, H: cutlass.Int32, cg: cutlass.Int32, gtid: cutlass.Int32,
+                  crow: cutlass.Int32, csub: cutlass.Int32, q_ok: cutlass.Boolean):
+        """_normalize, then O stored through shared memory (the Q tile) with 16-byte stores for
+        live heads only. o_mma is the MMA whose C layout acc_O has."""
+        bm = self.bm
+        self._normalize(acc_O, row_sum, row_max, tScS, sRed, 0, mSink, mLse, bt, h0, H, cg, gtid)
+
+        # O through shared memory (the Q tile is dead: every Q K^T completed before the
+        # last in-loop barrier).
+        rO = cute.make_fragment_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        sO = cute.make_tensor(q_base, sO_layout)
+        sOg = cute.make_tensor(
+            q_base + cute.assume(cg * (bm * self.dv_g), divby=512), sOg_layout
+        )
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), o_mma
+        ).get_slice(gtid)
+        cute.copy(r2s, r2s.retile(rO), r2s.partition_D(sOg))
+        cute.arch.barrier(barrier_id=CONSUMER_BAR, number_of_threads=self.n_cons)
+        st_atom = cute.make_copy_atom(
+            cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
+        )
+        if q_ok:
+            o_row = bt * cutlass.Int64(H) + cutlass.Int64(h0 + crow)
+            for i in cutlass.range_constexpr(self.d_v // 8 // self.tpr):
+                c = csub + self.tpr * i
+                cute.copy(st_atom, chunk16(sO, crow, c), chunk16(mO, o_row, c))
+
+
+def compile_fwd_pingpong(dtype, d_qk: int, d_v: int = 512):
     """Compile with shape-only tensors (common.fwd_fake_args)."""
-    return cute.compile(SparseMlaFwdWs2Sm90(dtype, d_qk, d_v),
+    return cute.compile(SparseMlaFwdPingPongSm90(dtype, d_qk, d_v),
                         *fwd_fake_args(dtype, d_qk, d_v))
 

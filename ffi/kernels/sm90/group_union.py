@@ -37,11 +37,12 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 import cuda.bindings.driver as cuda
 
+from jax_dsa.cute.constants import MEMBER_SHIFT
+from jax_dsa.cute.constants import UNION_CAPACITY as CAPACITY  # G * K at most
+from jax_dsa.cute.constants import UNION_TABLES as TABLES  # hash slots per group, one export each
+
 THREADS = 512
 BATCH = 8  # entries each thread loads before inserting any (overlaps the global loads)
-TABLES = (2048, 4096, 8192)  # hash slots per group (powers of two), one export each
-CAPACITY = 6144  # G * K at most: load factor <= 0.75 in the largest table
-MEMBER_SHIFT = 23  # as jax_dsa.grouping
 EMPTY = -1
 
 

@@ -120,12 +120,12 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 import cuda.bindings.driver as cuda
 
-from jax_dsa.kernels.sm90.common import (LOG2_E, bwd_fake_args, compile_options,
-                                         cp_async_16_zfill, gather_source,
-                                         red_add_v4_f32, red_add_v4_f32_if, st_global_v4_f32,
-                                         st_global_v4_f32_if)
-from jax_dsa.kernels.sm90.scatter_layout import SCRATCH_BYTES, SCRATCH_WARP_FLOATS, scratch_offset
-from jax_dsa.grouping import MEMBER_SHIFT as GROUP_SHIFT
+from jax_dsa.cute.constants import MEMBER_SHIFT as GROUP_SHIFT
+
+from .common import (LOG2_E, acc_mn_view, bwd_fake_args, chunk16, compile_options,
+                     cp_async_16_zfill, gather_source, red_add_v4_f32, red_add_v4_f32_if,
+                     st_global_v4_f32, st_global_v4_f32_if)
+from .scatter_layout import SCRATCH_BYTES, SCRATCH_WARP_FLOATS, scratch_offset
 
 
 
@@ -135,7 +135,7 @@ def _flat(rho, g2, g1, g0, c):
 
 
 def _lines_per_row_transpose(v: list, lane):
-    """The three butterfly exchanges of SparseMlaBwdWgmmaSm90._scatter (plain Python loops,
+    """The three butterfly exchanges of SparseMlaBwdSm90._scatter (plain Python loops,
     traced inline): swap lane bit q0 (xor 4) with data index g1, lane bit s1 (xor 2) with g0,
     then lane bit s0 (xor 1) with that same g0 slot."""
     for mask, slot in ((4, 1), (2, 0), (1, 0)):
@@ -163,9 +163,9 @@ DS_FULL = 1
 DS_EMPTY = 2
 
 
-class SparseMlaBwdWgmmaSm90:
+class SparseMlaBwdSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                 wg0_chunks: int | None = None, group: int = 1, rolling_chunks: bool = True):
+                 group: int = 1):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -188,38 +188,23 @@ class SparseMlaBwdWgmmaSm90:
         self.io_tpr = self.threads // self.bm  # 4 threads per row for Q / dO / dQ copies
         self.n_ch = d_qk // 64  # dKV 64-column chunks (9 or 8)
         self.skip_heads = True  # issue only ceil(live heads / 16) dKV k-steps
-        # dKV chunks [0, wg0_chunks) are computed by WG0 (after its dQ half and gather), the
-        # rest by WG1. With all of them in WG1 (v6), WG1 was the critical path and WG0 waited
-        # ~44 % of its time (ncu). Measured at Dqk 512 (H200, backward of the benchmark), one
-        # chunk at a time: 1 / 2 / 3 / 4 / 5 chunks in WG0 -> H=64 2.92 / 2.85 / 2.73-2.78 /
-        # 2.82 / 2.79 ms against 2.98 with none. With chunk pairs (_dkv_block): 2 / 3 / 4 ->
-        # H=64 2.77 / 2.77 / 2.64 ms, H=128 5.35 / 5.37 / 5.28 ms, so 4 (two pairs) at Dqk 512.
-        # Dqk 576 issues one chunk at a time (pairs spill) and keeps the measured 3. v12: after
-        # the shared-memory scatter (v11) WG0 became the critical group (ncu: WG1 waits for
-        # DS_FULL 12 %), and 3 at Dqk 512 too (a pair and a single) is 1-2 % faster (3-round
-        # A/B: 0.991 / 0.987 / 0.983 of 4, was candidate "wgk3").
-        if wg0_chunks is None:
-            wg0_chunks = 3
-        assert 0 <= wg0_chunks < self.n_ch
-        self.wg0_chunks = wg0_chunks
+        # dKV chunks [0, wg0_chunks) are computed by WG0 (after its dQ half and its gather), the
+        # rest by WG1; 3 balances the two groups at both head dims (docs/kernel_log.md).
+        self.wg0_chunks = 3
         # At Dqk 512 the scatter transposes each chunk through a 2 KB shared-memory scratch per
-        # warp (_scatter_smem) instead of three shuffle butterflies (_scatter): 4-6 % faster
-        # (v11, was candidate "wgt"; ncu of v8 had the FSEL / SHFL-bound scatter at ~45 % of
-        # each group's time). Dqk 576 has no room for the 16 KB and keeps the shuffles.
+        # warp (_scatter_smem) instead of three shuffle butterflies (_scatter); Dqk 576 has no
+        # room for the 16 KB and keeps the shuffles.
         self.smem_scatter = self.rope == 0
-        # Grouped ("wgg<G>"): the 64 head rows are `group` consecutive tokens of 64 / group
-        # heads each, and idx is the group's merged list (jax_dsa.grouping.group_lists) with the
-        # membership bits from bit GROUP_SHIFT up (grouping.pack_entries): head row i sees an
+        # Grouped: the 64 head rows are `group` consecutive tokens of 64 / group
+        # heads each, and idx is the group's merged list (jax_dsa.cute.grouping.group_lists) with
+        # the membership bits from bit GROUP_SHIFT up (grouping.pack_entries): head row i sees an
         # entry only if bit i // (64 / group) is set. The caller views q / dO / o / lse / dq as
         # [B, T / group, 64, D] (contiguous) and keeps S < 2^GROUP_SHIFT.
         assert group in (1, 2, 4, 8)
         self.group = group
-        # Dqk 512 (v15, was candidate "wgr"): _dkv_block as one unrolled rolling pipeline, chunk
-        # c + 1's MMA issued before chunk c's scatter for every c, instead of chunk pairs (whose
-        # second scatter, and the first MMA of the next pair, overlap nothing). 3-round A/B on
-        # the H200: 0.982 / 0.980 / 0.983 of the pairs at H=64 / 128 / 128 K=1152; with WG0
-        # taking 2 or 4 chunks instead of 3, 1.00-1.02 (no gain).
-        self.rolling = rolling_chunks and self.rope == 0
+        # Dqk 512: _dkv_block is one unrolled rolling pipeline (chunk c + 1's MMA issued before
+        # chunk c's scatter); Dqk 576 issues the chunks one at a time (pairs spill).
+        self.rolling = self.rope == 0
 
 
     # ---------------------------------------------------------------- host side
@@ -317,24 +302,6 @@ class SparseMlaBwdWgmmaSm90:
             mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 4], 8]
 
         return SharedStorage
-
-    @staticmethod
-    def _chunk(t: cute.Tensor, row, c) -> cute.Tensor:
-        """The 8 contiguous elements (16 B) t[row, 8c : 8c + 8] as a rank-1 tensor."""
-        return cute.local_tile(t, (1, 8), (row, c))[0, None]
-
-    @staticmethod
-    def _acc_mn_view(t: cute.Tensor) -> cute.Tensor:
-        """View a wgmma 64xN accumulator ((2 cols, 2 rows, N/8), 1, 1) as (rows, cols)."""
-        c = cute.make_layout(t.layout.shape)
-        mn = cute.make_layout(
-            ((c.shape[0][1], c.shape[1]), ((c.shape[0][0], c.shape[0][2]), c.shape[2])),
-            stride=(
-                (c.stride[0][1], c.stride[1]),
-                ((c.stride[0][0], c.stride[0][2]), c.stride[2]),
-            ),
-        )
-        return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
 
     def _gather_mapping(self, gtid):
         """Gather thread mapping: 8 threads per row, rows grow + 16 p; (grow, gsub, index
@@ -487,15 +454,15 @@ class SparseMlaBwdWgmmaSm90:
         if q_ok:
             for i in cutlass.range_constexpr(self.chunks // self.io_tpr):
                 c = csub + self.io_tpr * i
-                cute.copy(cp_atom, self._chunk(mQ, q_row, c), self._chunk(sQ, crow, c))
+                cute.copy(cp_atom, chunk16(mQ, q_row, c), chunk16(sQ, crow, c))
             for i in cutlass.range_constexpr(d_v // 8 // self.io_tpr):
                 c = csub + self.io_tpr * i
-                cute.copy(cp_atom, self._chunk(mDO, q_row, c), self._chunk(sDO, crow, c))
+                cute.copy(cp_atom, chunk16(mDO, q_row, c), chunk16(sDO, crow, c))
         else:
             for i in cutlass.range_constexpr(self.chunks // self.io_tpr):
-                self._chunk(sQ, crow, csub + self.io_tpr * i).fill(0)
+                chunk16(sQ, crow, csub + self.io_tpr * i).fill(0)
             for i in cutlass.range_constexpr(d_v // 8 // self.io_tpr):
-                self._chunk(sDO, crow, csub + self.io_tpr * i).fill(0)
+                chunk16(sDO, crow, csub + self.io_tpr * i).fill(0)
         cute.arch.sync_threads()  # mbarrier inits visible before any arrive
 
         # ---- block 0's indices and gather --------------------------------------------------
@@ -524,7 +491,7 @@ class SparseMlaBwdWgmmaSm90:
                 cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
             )
             for i in cutlass.range_constexpr(n_io):
-                cute.copy(ld_atom, self._chunk(mO, q_row, csub + self.io_tpr * i), rO[None, i])
+                cute.copy(ld_atom, chunk16(mO, q_row, csub + self.io_tpr * i), rO[None, i])
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_proxy("async.shared", space="cta")
@@ -535,7 +502,7 @@ class SparseMlaBwdWgmmaSm90:
         prod = cute.make_rmem_tensor(8, cutlass.Float32)
         prod.fill(0.0)
         for i in cutlass.range_constexpr(n_io):
-            d8 = self._chunk(sDO, crow, csub + self.io_tpr * i).load().to(cutlass.Float32)
+            d8 = chunk16(sDO, crow, csub + self.io_tpr * i).load().to(cutlass.Float32)
             prod.store(prod.load() + d8 * rO[None, i].load().to(cutlass.Float32))
         delta = prod.load().reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
         for sh in cutlass.range_constexpr(2):  # the row's 4 threads are lanes 4k .. 4k + 3
@@ -563,7 +530,7 @@ class SparseMlaBwdWgmmaSm90:
             acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((bm, self.split_col)))
             acc_dQ.fill(0.0)
             acc_shape = thr_sdp.partition_shape_C((bm, bn))
-            tScS = self._acc_mn_view(thr_sdp.partition_C(cute.make_identity_tensor((bm, bn))))
+            tScS = acc_mn_view(thr_sdp.partition_C(cute.make_identity_tensor((bm, bn))))
             n_rows = cute.size(tScS, mode=[0])
             n_cols = cute.size(tScS, mode=[1])
             # per-row constants: lse*log2e (+inf: p~ = 0 for dead / padded rows), c,
@@ -622,8 +589,8 @@ class SparseMlaBwdWgmmaSm90:
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
 
-                S_mn = self._acc_mn_view(acc_S)
-                dP_mn = self._acc_mn_view(acc_dP)
+                S_mn = acc_mn_view(acc_S)
+                dP_mn = acc_mn_view(acc_dP)
                 for c in cutlass.range_constexpr(n_cols):
                     entry = sRow[slot * bn + tScS[0, c][1]]
                     valid = entry >= 0
@@ -701,7 +668,7 @@ class SparseMlaBwdWgmmaSm90:
         if q_ok:
             for i in cutlass.range_constexpr(self.chunks // self.io_tpr):
                 c = csub + self.io_tpr * i
-                cute.copy(st_atom, self._chunk(sO, crow, c), self._chunk(mDQ, q_row, c))
+                cute.copy(st_atom, chunk16(sO, crow, c), chunk16(mDQ, q_row, c))
 
     @cute.jit
     def _wg1(self, dq1_mma, dqr_mma, dkv_mma, gtid, sDS, kv_sw, sKt_layout, sTt_layout,
@@ -925,7 +892,7 @@ class SparseMlaBwdWgmmaSm90:
         8 st.shared.v2 of the accumulator pairs, then 4 ld.shared.v4 of row segments (both
         conflict-free with the layout of scratch_offset), instead of 48 shuffles and 144
         selects."""
-        acc_mn = self._acc_mn_view(acc)
+        acc_mn = acc_mn_view(acc)
         q = lane // 4
         s = lane % 4
         st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32,
@@ -984,7 +951,7 @@ class SparseMlaBwdWgmmaSm90:
         l = (q2 q1, g1 g0 s1) holds for each (rho, g2, q0) the 4 consecutive columns
         32 g2 + 4 (l % 8) + [0, 4) of row 16 w + 2 (l // 8) + q0 + 8 rho: the 8 lanes with the
         same l // 8 cover 32 columns (128 bytes) of one row."""
-        acc_mn = self._acc_mn_view(acc)
+        acc_mn = acc_mn_view(acc)
         assert cute.size(acc_mn, mode=[0]) == 2 and cute.size(acc_mn, mode=[1]) == 16
         v = _lines_per_row_transpose(
             [acc_mn[(i >> 4) & 1, i & 15] * out_scale for i in range(32)], lane)
@@ -1006,11 +973,9 @@ class SparseMlaBwdWgmmaSm90:
 
 
 # -------------------------------------------------------------------- AOT compile entry
-def compile_bwd_wgmma(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                      options: str | None = None, wg0_chunks: int | None = None,
-                      group: int = 1, rolling_chunks: bool = True):
+def compile_bwd(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
+                group: int = 1, options: str | None = None):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
-    return cute.compile(SparseMlaBwdWgmmaSm90(dtype, d_qk, d_v, deterministic, wg0_chunks,
-                                              group, rolling_chunks),
+    return cute.compile(SparseMlaBwdSm90(dtype, d_qk, d_v, deterministic, group=group),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))

@@ -1,9 +1,10 @@
-"""Pieces shared by the sm_90a kernels: inline PTX the DSL does not wrap, and the shape-only
-("fake") argument lists the ahead-of-time compile entry points hand to cute.compile.
+"""Pieces shared by the sm_90a kernels: accumulator and shared-memory views, inline PTX the DSL
+does not wrap, and the shape-only ("fake") argument lists the ahead-of-time compile entry points
+hand to cute.compile.
 
-The fake tensors fix each kernel's exported C signature (tools/build_kernels.py, ffi/*.cc):
-flattened row-major views whose row counts are dynamic, 16-byte aligned where vector copies need
-it. Every forward variant takes fwd_fake_args(); every backward variant bwd_fake_args().
+The fake tensors fix each kernel's exported C signature (ffi/build.py, ffi/*.cc): flattened
+row-major views whose row counts are dynamic, 16-byte aligned where vector copies need it. Every
+forward kernel takes fwd_fake_args(); every backward kernel bwd_fake_args().
 """
 
 import math
@@ -16,6 +17,41 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
+
+
+def acc_mn_view(t: cute.Tensor) -> cute.Tensor:
+    """View a wgmma 64xN accumulator ((2 cols, 2 rows, N/8), MMA_M, MMA_N) as (rows, cols)."""
+    c = cute.make_layout(t.layout.shape)
+    if cutlass.const_expr(len(c.shape[0]) == 3):
+        cols = ((c.shape[0][0], c.shape[0][2]), c.shape[2])
+        cols_st = ((c.stride[0][0], c.stride[0][2]), c.stride[2])
+    else:  # N = 8: ((2 cols, 2 rows), MMA_M, MMA_N)
+        cols = (c.shape[0][0], c.shape[2])
+        cols_st = (c.stride[0][0], c.stride[2])
+    mn = cute.make_layout(
+        ((c.shape[0][1], c.shape[1]), cols),
+        stride=((c.stride[0][1], c.stride[1]), cols_st),
+    )
+    return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
+
+
+def chunk16(t: cute.Tensor, row, c) -> cute.Tensor:
+    """The 8 contiguous 16-bit elements (16 B) t[row, 8c : 8c + 8] as a rank-1 tensor."""
+    return cute.local_tile(t, (1, 8), (row, c))[0, None]
+
+
+def ring_stage(base, layout, stage) -> cute.Tensor:
+    """Tensor `layout` at base + stage * cosize(layout) elements. Offsets are multiples of the
+    512-element (1 KB) swizzle period, so the swizzle phase is unchanged."""
+    off = cute.assume(stage * cute.cosize(layout), divby=512)
+    return cute.make_tensor(base + off, layout)
+
+
+def quad_allreduce(x, op):
+    """op-reduce x over the 4 threads of a quad (they hold the same accumulator rows)."""
+    x = op(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+    x = op(x, cute.arch.shuffle_sync_bfly(x, offset=1))
+    return x
 
 
 def _asm(text: str, constraints: str, operands, loc, ip):

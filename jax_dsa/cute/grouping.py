@@ -6,7 +6,7 @@ lets one pass over the union of their rows serve all G tokens: the G * H rows of
 contiguous in q / dO / o / lse / dq ([B, T, H, D] viewed as [B, T / G, G * H, D]), and each union
 entry carries a bit per token saying whose list it is in. On the benchmark's lists (window 128 +
 512 random rows of 4096) the union of 4 tokens has 0.69 of their pairs, of 8 tokens 0.54
-(docs/performance.md, "Where the time goes").
+(docs/performance.md).
 
 Entries are keyed by (row, occurrence): a row that appears n times in one token's list (each
 occurrence is a separate softmax term) becomes n union entries, so membership is one bit per
@@ -18,10 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_dsa.cute.constants import MEMBER_SHIFT  # pack_entries: row | membership << it
 from jax_dsa.reference import valid_mask
-
-# pack_entries: an entry is its kv row | membership bits << MEMBER_SHIFT (rows < 2^23, G <= 8).
-MEMBER_SHIFT = 23
 
 
 def _run_starts(x):

@@ -88,7 +88,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 import cuda.bindings.driver as cuda
 
-from jax_dsa.kernels.sm90.common import LN_2, LOG2_E, cp_async_16_zfill, fwd_fake_args
+from .common import LN_2, LOG2_E, acc_mn_view, cp_async_16_zfill, fwd_fake_args
 
 # Tokens per CTA = ceil(B*T / CTA_TARGET): about 4 waves of 1-CTA-per-SM work on 132 SMs.
 CTA_TARGET = 528
@@ -198,22 +198,6 @@ class _SmallHKernel:
             # launch bounds: ptxas then budgets each role by its setmaxnreg value
             **({"min_blocks_per_mp": 1} if self.split_regs else {}),
         )
-
-    @staticmethod
-    def _acc_mn_view(t: cute.Tensor) -> cute.Tensor:
-        """View a wgmma 64xN accumulator ((2 cols, 2 rows, N/8), MMA_M, MMA_N) as (rows, cols)."""
-        c = cute.make_layout(t.layout.shape)
-        if cutlass.const_expr(len(c.shape[0]) == 3):
-            cols = ((c.shape[0][0], c.shape[0][2]), c.shape[2])
-            cols_st = ((c.stride[0][0], c.stride[0][2]), c.stride[2])
-        else:  # N = 8: ((2 cols, 2 rows), MMA_M, MMA_N)
-            cols = (c.shape[0][0], c.shape[2])
-            cols_st = (c.stride[0][0], c.stride[2])
-        mn = cute.make_layout(
-            ((c.shape[0][1], c.shape[1]), cols),
-            stride=((c.stride[0][1], c.stride[1]), cols_st),
-        )
-        return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
 
     @staticmethod
     def _sw128(rows: int, row, chunk):
@@ -366,11 +350,11 @@ class _SmallHKernel:
         acc_S_shape = thr_qk.partition_shape_C((bn, np_))
         acc_O_shape = thr_pv.partition_shape_C((64, np_))
         # (key, head) of this thread's S^T values; (d within an m-tile, head) of its O^T values.
-        tScS = self._acc_mn_view(thr_qk.partition_C(cute.make_identity_tensor((bn, np_))))
-        tOcO = self._acc_mn_view(thr_pv.partition_C(cute.make_identity_tensor((64, np_))))
+        tScS = acc_mn_view(thr_qk.partition_C(cute.make_identity_tensor((bn, np_))))
+        tOcO = acc_mn_view(thr_pv.partition_C(cute.make_identity_tensor((64, np_))))
         tOrP = thr_pv.make_fragment_B(thr_pv.partition_B(sP))
         acc_O = [thr_pv.make_fragment_C(acc_O_shape) for _ in range(self.nv_slabs)]
-        O_mn = [self._acc_mn_view(a) for a in acc_O]
+        O_mn = [acc_mn_view(a) for a in acc_O]
         n_orows = cute.size(O_mn[0], mode=[0])
         col_max = cute.make_rmem_tensor(nc, cutlass.Float32)
         col_sum = cute.make_rmem_tensor(nc, cutlass.Float32)
@@ -473,7 +457,7 @@ class _SmallHKernel:
                     cute.arch.mbarrier_arrive(empty + pj)
 
             # ---- mask, online softmax over keys (rows) per head (column) ----------------
-            S_mn = self._acc_mn_view(acc_S)
+            S_mn = acc_mn_view(acc_S)
             key_base = blk * bn
             ok0 = key_base + key0 < keff and iv0 >= 0 and iv0 < S
             ok1 = key_base + key1 < keff and iv1 >= 0 and iv1 < S
@@ -678,26 +662,21 @@ class _SmallHKernel:
                                   sVt_layout, qk_mma, pv_mma, tok_begin, tok_end, gtid, lane_id)
 
 
-class SparseMlaFwdSmallHSm90:
+class SparseMlaFwdSmallHeadsSm90:
     """Host entry: picks NP in (8, 16, 24, 32) from H at run time (H must be <= 32).
 
-    lanes=2: two consumer warpgroups on alternate tokens for NP <= 24, where the ring still
-    holds two blocks plus two slabs next to the second P^T tile (_SmallHKernel asserts it) and
-    a consumer fits in the 168 registers a thread of 384 gets. np32_split_regs: NP 32 at Dqk 512
-    on two consumers as well, registers split by setmaxnreg (NP 32's O^T alone is 128 fp32 per
-    thread: at the plain 168 ptxas spills); at Dqk 576 the ring does not fit and NP 32 keeps one
-    consumer."""
+    Two consumer warpgroups on alternate tokens for NP <= 24, where the ring still holds two
+    blocks plus two slabs next to the second P^T tile (_SmallHKernel asserts it) and a consumer
+    fits in the 168 registers a thread of 384 gets. NP 32 at Dqk 512 runs on two consumers as
+    well, registers split by setmaxnreg (NP 32's O^T alone is 128 fp32 per thread: at the plain
+    168 ptxas spills); at Dqk 576 the ring does not fit and NP 32 keeps one consumer."""
 
     NPS = (8, 16, 24, 32)
 
-    def __init__(self, dtype, d_qk: int, d_v: int = 512, nps=NPS, lanes: int = 1,
-                 np32_split_regs: bool = False):
-        nps = sorted(nps)
-        self.variants = [_SmallHKernel(dtype, d_qk, d_v, n, lanes if n <= 24 else 1)
-                         for n in nps]
-        if np32_split_regs and lanes == 2 and 32 in nps and d_qk == 512:
-            # NP 32 with two consumers too (Dqk 512: the ring holds 2 nk + 2 slabs; at 576 it
-            # does not)
+    def __init__(self, dtype, d_qk: int, d_v: int = 512):
+        nps = self.NPS
+        self.variants = [_SmallHKernel(dtype, d_qk, d_v, n, 2 if n <= 24 else 1) for n in nps]
+        if d_qk == 512:
             self.variants[nps.index(32)] = _SmallHKernel(dtype, d_qk, d_v, 32, 2,
                                                          split_regs=True)
         self.hi = list(nps)
@@ -731,14 +710,8 @@ class SparseMlaFwdSmallHSm90:
                                         tpc, scale_log2, n_cta, stream)
 
 
-def compile_fwd_smallh(dtype, d_qk: int, d_v: int = 512, nps=SparseMlaFwdSmallHSm90.NPS,
-                       lanes: int = 1, np32_split_regs: bool = False):
-    """Compile with shape-only tensors (common.fwd_fake_args). Valid for 1 <= H <= max(nps);
-    other H launch nothing."""
-    return cute.compile(SparseMlaFwdSmallHSm90(dtype, d_qk, d_v, nps, lanes, np32_split_regs),
+def compile_fwd_small_heads(dtype, d_qk: int, d_v: int = 512):
+    """Compile with shape-only tensors (common.fwd_fake_args). Valid for 1 <= H <= 32; other H
+    launch nothing."""
+    return cute.compile(SparseMlaFwdSmallHeadsSm90(dtype, d_qk, d_v),
                         *fwd_fake_args(dtype, d_qk, d_v))
-
-
-def compile_fwd_smallh2(dtype, d_qk: int, d_v: int = 512):
-    """The two-consumer variant (export tag "smallh2"; NP 32 on two consumers at Dqk 512)."""
-    return compile_fwd_smallh(dtype, d_qk, d_v, lanes=2, np32_split_regs=True)

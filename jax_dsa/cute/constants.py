@@ -1,0 +1,27 @@
+"""Constants shared by the Python side, the CuTe DSL kernels and the C++ handlers.
+
+Defined here once. The kernels import this module when they are compiled, and ffi/build.py
+writes every name of `CPP` into the generated header jax_dsa_constants.h (as `constexpr` values
+in namespace jax_dsa), so that the handlers check the same limits. Plain Python: no jax import.
+"""
+
+# The kernels' value width (d_v) and the head dims they are built for.
+D_V = 512
+HEAD_DIMS = (512, 576)
+# The most query heads one call may have (the 64-head tiles pad H inside the kernel).
+MAX_HEADS = 128
+# H up to this runs the small-heads forward (heads on wgmma's N side).
+SMALL_HEADS = 32
+
+# The grouped backward: a union entry is its kv row | membership bits << MEMBER_SHIFT, so the
+# kv rows must be < 2^MEMBER_SHIFT and a group has at most 31 - MEMBER_SHIFT = 8 tokens.
+MEMBER_SHIFT = 23
+GROUPS = (2, 4, 8)
+# The list-union kernel's hash tables (slots per group, ascending; one export each) and the
+# most entries (G * K) it takes: a load factor <= 3/4 in the largest table.
+UNION_TABLES = (2048, 4096, 8192)
+UNION_CAPACITY = 6144
+
+# Written into jax_dsa_constants.h by ffi/build.py (C++ name: k + CamelCase).
+CPP = ("D_V", "MAX_HEADS", "SMALL_HEADS", "MEMBER_SHIFT", "GROUPS", "UNION_TABLES",
+       "UNION_CAPACITY")

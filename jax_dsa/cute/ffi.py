@@ -1,0 +1,218 @@
+"""The built library's FFI handlers as JAX functions (jax.ffi.ffi_call).
+
+ffi/build.py produces jax_dsa/_lib/libjax_dsa_sm90.so: the CuTe DSL kernels (cubins embedded)
+plus the XLA FFI handlers of ffi/*.cc. This module loads it with ctypes, registers the handlers
+for the CUDA platform and wraps each one. Importing it never fails: without the library
+`is_available()` is False and the wrappers raise a clear error. The kernel a handler launches
+is named by a static attribute (jax_dsa.cute.config).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_dsa.cute import deterministic
+from jax_dsa.cute.constants import D_V
+
+LIB_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_lib",
+                        "libjax_dsa_sm90.so")
+# FFI target name -> the library's handler symbol.
+TARGETS = {
+    "jax_dsa_sparse_mla_fwd_sm90": "JaxDsaSparseMlaFwdSm90",
+    "jax_dsa_sparse_mla_bwd_sm90": "JaxDsaSparseMlaBwdSm90",
+    "jax_dsa_sparse_mla_bwd_deterministic_sm90": "JaxDsaSparseMlaBwdDeterministicSm90",
+    "jax_dsa_sparse_mla_bwd_grouped_sm90": "JaxDsaSparseMlaBwdGroupedSm90",
+    "jax_dsa_group_union_sm90": "JaxDsaGroupUnionSm90",
+}
+# Module loaders of the handler files (called once, outside any CUDA-graph capture).
+_INITS = ("JaxDsaInit", "JaxDsaBwdInit", "JaxDsaGroupUnionInit")
+
+_lock = threading.Lock()
+_lib = None
+_load_error: str | None = None
+
+
+def _open():
+    """ctypes handle to the library (cached), or None with _load_error set."""
+    global _lib, _load_error
+    if _lib is None and _load_error is None:
+        if not os.path.isfile(LIB_PATH):
+            _load_error = f"{LIB_PATH} not found (built when jax_dsa is installed)"
+        else:
+            try:
+                lib = ctypes.CDLL(LIB_PATH)
+                lib.JaxDsaSparseMlaFwdSm90  # noqa: B018  (raises AttributeError if missing)
+                _lib = lib
+            except (OSError, AttributeError) as e:
+                _load_error = f"cannot load {LIB_PATH}: {e}"
+    return _lib
+
+
+def is_available() -> bool:
+    """True when the built library exists and loads. Never raises."""
+    try:
+        with _lock:
+            return _open() is not None
+    except Exception:  # pragma: no cover - defensive
+        return False
+
+
+_registered = False
+_modules_loaded = False
+
+
+def load():
+    """Load the library and register its FFI targets (once). Returns the ctypes handle."""
+    global _registered
+    with _lock:
+        lib = _open()
+        if lib is None:
+            raise RuntimeError(f"jax_dsa native kernels unavailable: {_load_error}")
+        if not _registered:
+            for target, symbol in TARGETS.items():
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                            platform="CUDA")
+            _registered = True
+    return lib
+
+
+def _load_modules(lib):
+    """Load the kernel modules onto the GPUs now, outside of any CUDA-graph capture (the
+    handlers would otherwise do it lazily on their first call)."""
+    global _modules_loaded
+    with _lock:
+        if _modules_loaded:
+            return
+        for init in _INITS:
+            fn = getattr(lib, init)
+            fn.restype = ctypes.c_int
+            rc = fn()
+            if rc != 0:
+                raise RuntimeError(f"jax_dsa: {init} failed to load the kernels (cudaError {rc})")
+        _modules_loaded = True
+
+
+def _call(target, result_shapes, *args, **attrs):
+    """ffi_call of `target` (after loading the library, and its modules when a GPU is there)."""
+    lib = load()
+    if not _modules_loaded and any(d.platform == "gpu" for d in jax.devices()):
+        _load_modules(lib)
+    call = jax.ffi.ffi_call(target, result_shapes, vmap_method="sequential")
+    return call(*args, **attrs)
+
+
+def _num_kernels(symbol: str) -> int:
+    """The library's count of kernels behind a handler file (0 without the library)."""
+    try:
+        with _lock:
+            lib = _open()
+        if lib is None:
+            return 0
+        fn = getattr(lib, symbol)
+        fn.restype = ctypes.c_int
+        return fn()
+    except Exception:  # pragma: no cover - defensive
+        return 0
+
+
+def has_backward() -> bool:
+    """True when the library holds the backward kernels. Never raises."""
+    return _num_kernels("JaxDsaBwdNumKernels") > 0
+
+
+def has_group_union() -> bool:
+    """True when the library holds the list-union kernels. Never raises."""
+    return _num_kernels("JaxDsaGroupUnionNumKernels") > 0
+
+
+def _i32(x):
+    return jnp.asarray(x, jnp.int32)
+
+
+def _f32(x):
+    return jnp.asarray(x, jnp.float32)
+
+
+def sparse_mla_fwd(q, kv, idx, topk_length, sink, *, scale, kernel, poison_outputs=False):
+    """Forward on the kernel `kernel` ("pingpong" or "small_heads").
+
+    q [B, T, H, Dqk] bf16/f16, kv [B, S, Dqk], idx [B, T, K] int32, topk_length [B, T] int32,
+    sink [H] float32 (-inf = no sink), scale: Python float. Returns (o [B, T, H, 512] q.dtype,
+    lse [B, T, H] float32). The handler checks the shapes as well. poison_outputs (tests): the
+    handler fills o and lse with NaN before the launch, so unwritten elements show.
+    """
+    B, T, H, _ = q.shape
+    out = (jax.ShapeDtypeStruct((B, T, H, D_V), q.dtype),
+           jax.ShapeDtypeStruct((B, T, H), jnp.float32))
+    return _call("jax_dsa_sparse_mla_fwd_sm90", out, q, kv, _i32(idx), _i32(topk_length),
+                 _f32(sink), scale=np.float32(scale), kernel=str(kernel),
+                 poison=np.int32(bool(poison_outputs)))
+
+
+def _bwd_args(q, kv, idx, topk_length, lse, do, o, coef):
+    return (q, kv, _i32(idx), _i32(topk_length), _f32(lse), do.astype(q.dtype),
+            o.astype(q.dtype), _f32(coef))
+
+
+def _bwd_shapes(q, kv):
+    B, T, H, D = q.shape
+    return (jax.ShapeDtypeStruct((B, T, H, D), q.dtype),  # dq
+            jax.ShapeDtypeStruct((B, kv.shape[1], D), jnp.float32),  # dkv
+            jax.ShapeDtypeStruct((B, T, H), jnp.float32))  # delta
+
+
+def sparse_mla_bwd(q, kv, idx, topk_length, lse, do, o, coef, *, scale, group=1):
+    """Backward on the atomic kernels: (dq [B, T, H, Dqk] q.dtype, dkv [B, S, Dqk] float32,
+    delta [B, T, H] float32 = rowsum(do * o)).
+
+    lse [B, T, H] float32 and o [B, T, H, 512] (the forward's; lse -inf on dead rows),
+    do [B, T, H, 512], coef [B, T, H, 2] float32 = (c, dlse) per row (jax_dsa.cute.kernel).
+    dkv is the fp32 accumulator (zero-filled by the handler); the caller casts it.
+    group > 1: the grouped kernel (q, lse, do, o, coef viewed as [B, T / G, 64, ...], idx = the
+    union's packed entries, topk_length = its lengths; jax_dsa.cute.kernel).
+    """
+    args = _bwd_args(q, kv, idx, topk_length, lse, do, o, coef)
+    if group == 1:
+        return _call("jax_dsa_sparse_mla_bwd_sm90", _bwd_shapes(q, kv), *args,
+                     scale=np.float32(scale))
+    return _call("jax_dsa_sparse_mla_bwd_grouped_sm90", _bwd_shapes(q, kv), *args,
+                 scale=np.float32(scale), group=np.int32(group))
+
+
+def group_union(idx, topk_length, num_kv_rows: int, group: int):
+    """The union entries of jax_dsa.cute.grouping.pack_entries(*group_lists(...)[:2]) (the
+    same multiset per group, in another order) and the union lengths, by the CUDA kernel
+    (ffi/group_union.cc): (packed [B, T / G, G * K] int32, length [B, T / G] int32).
+    Needs T % G == 0, G * K <= UNION_CAPACITY and num_kv_rows < 2^MEMBER_SHIFT (the handler
+    checks and says which)."""
+    B, T, K = idx.shape
+    n = T // group
+    out = (jax.ShapeDtypeStruct((B, n, group * K), jnp.int32),
+           jax.ShapeDtypeStruct((B, n), jnp.int32))
+    return _call("jax_dsa_group_union_sm90", out, _i32(idx), _i32(topk_length),
+                 num_kv_rows=np.int64(num_kv_rows), group=np.int32(group))
+
+
+def sparse_mla_bwd_deterministic(q, kv, idx, topk_length, lse, do, o, coef, *, scale,
+                                 workspace_bytes):
+    """sparse_mla_bwd with a bitwise reproducible dkv: no float atomics (each entry's dkv row
+    goes to a workspace of at most `workspace_bytes`, chunk by chunk of tokens, and the
+    dkv_reduce kernel adds each kv row's run of rows in a fixed order). Same results."""
+    B, T, H, D = q.shape
+    S, K = kv.shape[1], idx.shape[2]
+    if B * S >= deterministic.NO_ROW:
+        raise ValueError(f"deterministic=True needs B * S < 2^31 - 1; got B={B}, S={S}")
+    chunk = deterministic.chunk_tokens(B * T, K, D, H, workspace_bytes)
+    order, seg_end, rows = deterministic.entry_order(_i32(idx), _i32(topk_length), S, chunk)
+    workspace = jax.ShapeDtypeStruct((chunk * K * (-(-H // 64)), D), jnp.float32)
+    dq, dkv, delta, _ = _call(
+        "jax_dsa_sparse_mla_bwd_deterministic_sm90", _bwd_shapes(q, kv) + (workspace,),
+        *_bwd_args(q, kv, idx, topk_length, lse, do, o, coef), order, seg_end, rows,
+        scale=np.float32(scale))
+    return dq, dkv, delta

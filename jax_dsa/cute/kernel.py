@@ -1,0 +1,62 @@
+"""Forward and backward of one device's shard on the Hopper kernels, for a resolved Config.
+
+Inputs are canonical: q [B, T, H, Dqk], kv [B, S, Dqk], idx [B, T, K] int32, topk_length
+[B, T] int32, sink [H] float32 (-inf for "no sink"). The sink's terms of the backward are plain
+JAX; the kernels compute dq, the fp32 dkv and delta = rowsum(do * o).
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jax_dsa import reference
+from jax_dsa.cute import ffi, grouping
+from jax_dsa.cute.config import Config, grouping_problem
+
+
+def forward(q, kv, idx, topk_length, sink, *, scale, config: Config):
+    return ffi.sparse_mla_fwd(q, kv, idx, topk_length, sink, scale=scale,
+                              kernel=config.fwd.kernel)
+
+
+def backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale, config: Config,
+             deterministic: bool):
+    """(dq, dkv float32, dsink [B, H])."""
+    c, sink_share = reference.sink_split(sink[None, None, :], lse)
+    # dS_j = p~_j * (c * dP_j - (c * delta - dlse)): the kernel computes delta and needs c, dlse.
+    coef = jnp.stack([c, dlse], axis=-1)
+    bwd = config.bwd
+    if deterministic:
+        dq, dkv, delta = ffi.sparse_mla_bwd_deterministic(
+            q, kv, idx, topk_length, lse, do, o, coef, scale=scale,
+            workspace_bytes=bwd.workspace_bytes)
+    elif bwd.group > 1:
+        dq, dkv, delta = _grouped_backward(q, kv, idx, topk_length, lse, do, o, coef,
+                                           scale=scale, group=bwd.group, union=bwd.union)
+    else:
+        dq, dkv, delta = ffi.sparse_mla_bwd(q, kv, idx, topk_length, lse, do, o, coef,
+                                            scale=scale)
+    dsink = jnp.where(jnp.isneginf(sink)[None, :], 0.0, -jnp.sum(sink_share * delta, axis=1))
+    return dq, dkv, dsink
+
+
+def _grouped_backward(q, kv, idx, topk_length, lse, do, o, coef, *, scale, group, union):
+    """`group` consecutive tokens of H heads run as one 64-row token over the union of their
+    lists (jax_dsa.cute.grouping), computed by the list-union kernel or by XLA."""
+    b, t, h, _ = q.shape
+    s_rows = kv.shape[1]
+    problem = grouping_problem(q.shape, s_rows, group, False)
+    if problem:
+        raise ValueError(problem)
+    if union == "kernel":
+        entries, length = ffi.group_union(idx, topk_length, s_rows, group)
+    else:
+        rows, member, length = grouping.group_lists(idx, topk_length, s_rows, group)
+        entries = grouping.pack_entries(rows, member)
+    n = t // group
+
+    def view(x):  # [B, T, H, ...] -> [B, T / group, group * H, ...] (rows stay contiguous)
+        return x.reshape(b, n, group * h, *x.shape[3:])
+
+    dq, dkv, delta = ffi.sparse_mla_bwd(view(q), kv, entries, length, view(lse), view(do),
+                                        view(o), view(coef), scale=scale, group=group)
+    return dq.reshape(q.shape), dkv, delta.reshape(b, t, h)
