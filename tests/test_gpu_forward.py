@@ -100,8 +100,10 @@ def test_both_forward_kernels_at_small_h_through_config(case):
   q, kv = jnp.asarray(p.q, jnp.bfloat16), jnp.asarray(p.kv, jnp.bfloat16)
   outs = {}
   for kernel in ("small_heads", "pingpong"):
-    f = jax.jit(functools.partial(jax_dsa.sparse_mla, sink=jnp.asarray(p.sink),
-                                  topk_length=jnp.asarray(p.topk_length), return_lse=True,
+    sink_arg = None if p.sink is None else jnp.asarray(p.sink)
+    f = jax.jit(functools.partial(jax_dsa.sparse_mla, sink=sink_arg,
+                                  topk_length=None if p.topk_length is None else jnp.asarray(
+                                      p.topk_length), return_lse=True,
                                   implementation="cute", config=Config(fwd=FwdConfig(kernel))))
     o, lse = f(q, kv, jnp.asarray(p.idx))
     _assert_matches_oracle(p, q, kv, o, lse, p.scale)
