@@ -1,32 +1,21 @@
 #!/usr/bin/env python
-"""Prove that kernel variants build on a machine without a GPU, and report what ptxas made of
-them: registers, spills, local memory and the SASS instructions that matter.
+"""Prove that the kernels build on a machine without a GPU, and report what ptxas made of them:
+registers, spills, local memory and the SASS instructions that matter.
 
-    python tools/check_kernel_build.py [VARIANT ...] [--only bf16_d576 ...] [--experimental]
-                                       [--out DIR] [--keep-sass] [--allow-spills]
+    python dev/check_kernel_build.py [OP ...] [--only bf16_d576 ...] [--out DIR] [--keep-sass]
+                                     [--allow-spills]
 
-VARIANT is fwd:<tag> or bwd:<tag> with the tags of tools/build_kernels.py (fwd:ws2, fwd:ws,
-fwd:smallh2, fwd:smallh, fwd:simt, bwd:wg, and with --experimental any candidates), reduce, or
-union:<G> (the grouped backward's list-union kernel); default: every stable variant. Backward variants are checked in atomic and
-deterministic form.
-
-For each specialization (bf16/f16 x Dqk 512/576): compile for sm_90a keeping the cubin
-(CUTE_DSL_KEEP=cubin), export_to_c into --out (default /tmp/jax_dsa_kernel_check; nothing in the
-source tree is written), then
+OP is one of ffi/build.py's ops (fwd, bwd, reduce, union); default: all. Every export of
+ffi/build.py's table is compiled for sm_90a keeping the cubin (CUTE_DSL_KEEP=cubin) and exported
+into --out (nothing in the source tree is written), then
   * cuobjdump --dump-resource-usage: registers, stack frame, local memory per kernel function;
-  * nvdisasm: counts of HGMMA / HMMA, LDGSTS, SYNCS (mbarrier), BAR, UBLKRED (TMA bulk
-    reduce), WARPGROUP.DEPBAR (one after every HGMMA, or more than one per two HGMMA, means
-    ptxas serialized the wgmma chain),
-    LDL / STL, and RED / STG vector widths.
-Fails on spills or local memory (unless --allow-spills), on serialized wgmma, on a missing
-tensor-core instruction
-where the variant is built on one (HGMMA for the wgmma kernels),
-on scalar fp32 RED, and on RED in a deterministic backward.
-
-cuobjdump / nvdisasm are looked up on PATH, in CUDA_HOME/bin and in /tmp/cudatools
-(`pip install --target /tmp/cudatools nvidia-cuda-nvdisasm nvidia-cuda-cuobjdump`).
+  * nvdisasm: counts of HGMMA / HMMA, LDGSTS, SYNCS (mbarrier), BAR, UBLKRED (TMA bulk reduce),
+    WARPGROUP.DEPBAR (one after every HGMMA, or more than one per two HGMMA, means ptxas
+    serialized the wgmma chain), LDL / STL, and RED / STG vector widths.
+Fails on spills or local memory (unless --allow-spills), on serialized wgmma, on a forward or
+backward kernel without HGMMA, on scalar fp32 RED, and on RED in a deterministic backward.
+The CUDA binary tools are found as dev/cuda_tools.py says.
 """
-
 import argparse
 import collections
 import glob
@@ -38,28 +27,15 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "ffi"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import build_kernels  # noqa: E402  (the variant tables)
-
-# The tensor-core instruction each variant must contain (None: not a tensor-core kernel); every
-# other fwd: / bwd: variant (candidates, the grouped wgg<G>) is a wgmma kernel.
-TENSOR_OP = {"fwd:simt": None, "reduce": None}
+import build  # noqa: E402  (ffi/build.py: the export table)
+from cuda_tools import find_tool  # noqa: E402
 
 
 def log(msg):
     print(f"[check_kernel_build] {msg}", flush=True)
-
-
-def find_tool(name):
-    cands = [shutil.which(name)]
-    for env in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(env):
-            cands.append(os.path.join(os.environ[env], "bin", name))
-    cands += sorted(glob.glob(f"/tmp/cudatools/nvidia/*/bin/{name}"), reverse=True)
-    cands += sorted(glob.glob(f"/usr/local/cuda*/bin/{name}"), reverse=True)
-    return next((c for c in cands if c and os.access(c, os.X_OK)), None)
 
 
 def sass_facts(sass):
@@ -85,43 +61,25 @@ def sass_facts(sass):
     return ops, wide
 
 
-def variant_of(prefix):
-    """(variant name, deterministic) of an export prefix of build_kernels.export_jobs: fwd:<tag>,
-    bwd:<tag> (its "det" form: deterministic), reduce or union:<G>."""
-    if prefix.startswith("jax_dsa_fwd"):
-        return "fwd:" + prefix[len("jax_dsa_fwd"):].split("_")[0], False
-    if prefix.startswith("jax_dsa_bwd"):
-        tag = prefix[len("jax_dsa_bwd"):].split("_")[0]
-        det = tag.endswith("det")
-        return "bwd:" + (tag[:-3] if det else tag), det
-    if prefix.startswith("jax_dsa_dkvreduce"):
-        return "reduce", False
-    if prefix.startswith("jax_dsa_groupunion_g"):
-        return "union:" + prefix[len("jax_dsa_groupunion_g"):].split("_")[0], False
-    raise ValueError(f"unknown export prefix {prefix!r}")
-
-
-def jobs(variants, experimental):
-    """(name, export prefix, compile thunk, deterministic) for every requested specialization
-    (default: all), taken from the build's own list (build_kernels.export_jobs)."""
-    out = [(*variant_of(prefix), prefix, thunk)
-           for prefix, thunk in build_kernels.export_jobs(experimental)]
-    known = list(dict.fromkeys(v for v, *_ in out))
-    unknown = [v for v in variants if v not in known]
+def jobs(ops):
+    """(op, export prefix, compile thunk, deterministic) of every export of the requested ops
+    (default: all), from ffi/build.py's table."""
+    table = build.exports()
+    known = sorted({e[0] for e in table})
+    unknown = [o for o in ops if o not in known]
     if unknown:
-        raise SystemExit(f"unknown variant(s) {', '.join(unknown)}; known: " + ", ".join(known)
-                         + ("" if experimental else " (candidates need --experimental)"))
-    return [(v, prefix, thunk, det) for v, det, prefix, thunk in out
-            if not variants or v in variants]
+        raise SystemExit(f"unknown op(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    return [(op, prefix, lambda m=module, f=fn, k=kwargs: build.compile_kernel(m, f, k),
+             bool(kwargs.get("deterministic")))
+            for op, prefix, module, fn, kwargs in table if not ops or op in ops]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("variants", nargs="*")
+    ap.add_argument("ops", nargs="*")
     ap.add_argument("--only", nargs="*", help="substrings of the export prefixes to check")
-    ap.add_argument("--experimental", action="store_true")
-    ap.add_argument("--out", default="/tmp/jax_dsa_kernel_check")
+    ap.add_argument("--out", default=os.path.join(ROOT, "build", "kernel_check"))
     ap.add_argument("--keep-sass", action="store_true", help="write <prefix>.sass into --out")
     ap.add_argument("--allow-spills", action="store_true")
     args = ap.parse_args()
@@ -140,7 +98,7 @@ def main():
     if not cuobjdump or not nvdisasm:
         problems.append("cuobjdump / nvdisasm not found: resource usage and SASS not checked")
 
-    for variant, prefix, compile_fn, det in jobs(args.variants, args.experimental):
+    for op, prefix, compile_fn, det in jobs(args.ops):
         if args.only and not any(o in prefix for o in args.only):
             continue
         shutil.rmtree(dump, ignore_errors=True)  # the kept cubin is named after the kernel
@@ -179,9 +137,8 @@ def main():
                  f"BAR {ops['BAR']}, LDL/STL {ops['LDL']}/{ops['STL']}, RED/STG {dict(wide)}")
         log(line)
         summary.append(line)
-        need = TENSOR_OP.get(variant, "HGMMA" if variant[:4] in ("fwd:", "bwd:") else None)
-        if need and not ops[need]:
-            problems.append(f"{prefix}: no {need} in the SASS")
+        if op in ("fwd", "bwd") and not ops["HGMMA"]:
+            problems.append(f"{prefix}: no HGMMA in the SASS")
         if ops["HGMMA"] > 2 and ops["HGMMA>DEPBAR"] >= ops["HGMMA"]:
             problems.append(f"{prefix}: every HGMMA is followed by a DEPBAR (serialized wgmma)")
         elif ops["HGMMA"] > 2 and 2 * ops["WARPGROUP.DEPBAR"] > ops["HGMMA"]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Do two exported kernel objects hold the same machine code?
 
-    python tools/compare_exports.py A.o B.o [--diff]
+    python dev/compare_exports.py A.o B.o [--diff]
 
 An export of ffi/build.py (<prefix>.o) embeds the kernel's cubin; exports of the same kernel
 under different prefixes, or from a module that was moved or renamed, differ in bytes only by

@@ -5,7 +5,7 @@
 // one fp32 dkv row (2 KB) with red.global.add.v4.f32, each warp instruction covering 4 rows x
 // 128 B. This times those two streams alone and together, with as many warps as the GPU holds:
 // the time of "both" is a floor for any kernel that moves these bytes, however it computes.
-//   nvcc -O3 -arch=sm_90a tools/l2_floor_bench.cu -o /tmp/l2f && /tmp/l2f
+//   nvcc -O3 -arch=sm_90a dev/l2_floor_bench.cu -o build/l2f && build/l2f
 #include <algorithm>
 #include <cstdio>
 #include <random>

@@ -1,4 +1,4 @@
-// Shared by the standalone microbenchmarks in tools/ (red_scatter_bench.cu, l2_floor_bench.cu):
+// Shared by the standalone microbenchmarks in dev/ (red_scatter_bench.cu, l2_floor_bench.cu):
 // the median over `reps` runs of a kernel launch, each timed alone with CUDA events.
 #pragma once
 #include <algorithm>

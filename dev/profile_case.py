@@ -1,14 +1,14 @@
 #!/usr/bin/env python
 """Run one benchmark shape a few times, for a profiler (jax_dsa/_lib must be built):
 
-    python tools/profile_case.py fwd|bwd H TOPK
+    python dev/profile_case.py fwd|bwd H TOPK
     ncu --clock-control none --launch-skip 1 --launch-count 1 --kernel-name regex:sparse_mla_fwd \\
-        --section SpeedOfLight --section MemoryWorkloadAnalysis python tools/profile_case.py fwd 64 512
+        --section SpeedOfLight --section MemoryWorkloadAnalysis python dev/profile_case.py fwd 64 512
 
 Inputs are examples/benchmark.py's (T = S = 4096, D = 512, window 128 + TOPK random rows, so
 K = 128 + TOPK). "bwd" runs jax.grad, i.e. the forward and then the backward kernel (its name
-contains sparse_mla_bwd). JAX_DSA_FWD_IMPL / JAX_DSA_BWD_IMPL select variants as usual.
-`bash tools/gpu_validate.sh profile` profiles the default shapes with the sections that matter.
+contains sparse_mla_bwd). A kernel other than the default: edit the call to pass config= (jax_dsa.cute.Config).
+`bash dev/gpu_validate.sh profile` profiles the default shapes with the sections that matter.
 """
 import os
 import sys
@@ -25,23 +25,23 @@ from benchmark import make_inputs  # noqa: E402
 
 
 def main():
-  which, heads, topk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-  q, kv, idx, sink, _ = make_inputs(heads, topk, 4096)
-  if which == "fwd":
-    fn = jax.jit(lambda q, kv, sink: jax_dsa.sparse_mla(q, kv, idx, sink=sink))
-  elif which == "bwd":
-    w = jax.random.normal(jax.random.PRNGKey(1), q.shape[:3] + (512,), jnp.float32)
+    which, heads, topk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    q, kv, idx, sink, _ = make_inputs(heads, topk, 4096)
+    if which == "fwd":
+        fn = jax.jit(lambda q, kv, sink: jax_dsa.sparse_mla(q, kv, idx, sink=sink))
+    elif which == "bwd":
+        w = jax.random.normal(jax.random.PRNGKey(1), q.shape[:3] + (512,), jnp.float32)
 
-    def loss(q, kv, sink):
-      return jnp.sum(jax_dsa.sparse_mla(q, kv, idx, sink=sink).astype(jnp.float32) * w)
+        def loss(q, kv, sink):
+            return jnp.sum(jax_dsa.sparse_mla(q, kv, idx, sink=sink).astype(jnp.float32) * w)
 
-    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-  else:
-    raise SystemExit(f"profile_case: first argument must be fwd or bwd, got {which!r}")
-  for _ in range(3):
-    jax.block_until_ready(fn(q, kv, sink))
-  print("profile_case done", which, heads, topk)
+        fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    else:
+        raise SystemExit(f"profile_case: first argument must be fwd or bwd, got {which!r}")
+    for _ in range(3):
+        jax.block_until_ready(fn(q, kv, sink))
+    print("profile_case done", which, heads, topk)
 
 
 if __name__ == "__main__":
-  main()
+    main()

@@ -4,7 +4,7 @@
 // R rows with 512/R contiguous bytes each. Why sparse_mla_bwd_wgmma._scatter transposes its
 // accumulator: on the H200 (2026-11-29) 16 rows x 32 B took 2.63 ms, 8 x 64 B 1.93 ms,
 // 4 x 128 B 1.60 ms, 1 x 512 B 1.60 ms.
-//   nvcc -O3 -arch=sm_90a tools/red_scatter_bench.cu -o /tmp/rb && /tmp/rb
+//   nvcc -O3 -arch=sm_90a dev/red_scatter_bench.cu -o build/rb && build/rb
 #include <cstdio>
 #include <cstdlib>
 #include <vector>

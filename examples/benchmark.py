@@ -5,7 +5,7 @@
 --impls takes cute (the kernels), cute-det (the kernels with deterministic=True, which only
 changes the backward) and xla (the reference).
 
-For each shape (DESIGN.md section 4: D = 512, window 128 + top-k, T = S = 4096 and the head
+For each shape (docs/performance.md: D = 512, window 128 + top-k, T = S = 4096 and the head
 counts of tensor-parallel shards) it prints the median time per call, TFLOP/s, TB/s, the
 compiled program's device memory (arguments + outputs + XLA temporaries) and the reference's
 time from the same run as a ratio; writes DIR/benchmark.md and DIR/benchmark.png.
@@ -53,188 +53,188 @@ QUICK = ["V4-Flash H=64", "V4-Pro H=128 k512", "V4-Pro H=128", "TP shard H=16", 
 
 
 def make_inputs(h, topk, tokens, seed=0):
-  rng = np.random.default_rng(seed)
-  q = jnp.asarray(rng.standard_normal((1, tokens, h, D), np.float32), jnp.bfloat16)
-  kv = jnp.asarray(rng.standard_normal((1, tokens, D), np.float32), jnp.bfloat16)
-  t = np.arange(tokens)[:, None]
-  window = t - (WINDOW - 1) + np.arange(WINDOW)[None, :]
-  window = np.where(window >= 0, window, -1)
-  picks = np.argsort(rng.random((tokens, tokens)), axis=1)[:, :topk] if tokens <= 8192 else (
-      rng.integers(0, tokens, (tokens, topk)))
-  idx = np.concatenate([window, picks], axis=1).astype(np.int32)[None]
-  sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
-  valid = int((idx >= 0).sum())
-  return q, kv, jnp.asarray(idx), sink, valid
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((1, tokens, h, D), np.float32), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((1, tokens, D), np.float32), jnp.bfloat16)
+    t = np.arange(tokens)[:, None]
+    window = t - (WINDOW - 1) + np.arange(WINDOW)[None, :]
+    window = np.where(window >= 0, window, -1)
+    picks = np.argsort(rng.random((tokens, tokens)), axis=1)[:, :topk] if tokens <= 8192 else (
+        rng.integers(0, tokens, (tokens, topk)))
+    idx = np.concatenate([window, picks], axis=1).astype(np.int32)[None]
+    sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    valid = int((idx >= 0).sum())
+    return q, kv, jnp.asarray(idx), sink, valid
 
 
 def time_call(fn, args, calls, batches, batch_ms=0.0):
-  jax.block_until_ready(fn(*args))  # compile + warm-up
-  start = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  single = time.perf_counter() - start  # an upper bound of one call (includes the dispatch)
-  calls = min(max(calls, math.ceil(batch_ms * 1e-3 / single)), 200)
-  per_call = []
-  for _ in range(batches):
+    jax.block_until_ready(fn(*args))  # compile + warm-up
     start = time.perf_counter()
-    out = None
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    per_call.append((time.perf_counter() - start) / calls)
-  return statistics.median(per_call)
+    jax.block_until_ready(fn(*args))
+    single = time.perf_counter() - start  # an upper bound of one call (includes the dispatch)
+    calls = min(max(calls, math.ceil(batch_ms * 1e-3 / single)), 200)
+    per_call = []
+    for _ in range(batches):
+        start = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        per_call.append((time.perf_counter() - start) / calls)
+    return statistics.median(per_call)
 
 
 def device_bytes(fn, args):
-  try:
-    m = fn.lower(*args).compile().memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-  except Exception:  # memory_analysis is optional in some backends
-    return float("nan")
+    try:
+        m = fn.lower(*args).compile().memory_analysis()
+        return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+    except Exception:  # memory_analysis is optional in some backends
+        return float("nan")
 
 
 def make_fn(impl, passes):
-  """(jitted function, how to get its arguments from (q, kv, idx, sink))."""
-  deterministic = impl == "cute-det"
-  impl = "cute" if deterministic else impl
+    """(jitted function, how to get its arguments from (q, kv, idx, sink))."""
+    deterministic = impl == "cute-det"
+    impl = "cute" if deterministic else impl
 
-  def fwd(q, kv, idx, sink):
-    return jax_dsa.sparse_mla(q, kv, idx, sink=sink, return_lse=True, implementation=impl,
-                              deterministic=deterministic)
+    def fwd(q, kv, idx, sink):
+        return jax_dsa.sparse_mla(q, kv, idx, sink=sink, return_lse=True, implementation=impl,
+                                  deterministic=deterministic)
 
-  if passes == "fwd":
-    return jax.jit(fwd), lambda *inputs: inputs
-  if passes == "bwd":
-    def bwd_args(q, kv, idx, sink):
-      (o, lse), vjp_fn = jax.vjp(lambda q, kv, sink: fwd(q, kv, idx, sink), q, kv, sink)
-      do = jax.random.normal(jax.random.PRNGKey(7), o.shape, jnp.float32).astype(o.dtype)
-      return vjp_fn, (do, jnp.zeros_like(lse))
+    if passes == "fwd":
+        return jax.jit(fwd), lambda *inputs: inputs
+    if passes == "bwd":
+        def bwd_args(q, kv, idx, sink):
+            (o, lse), vjp_fn = jax.vjp(lambda q, kv, sink: fwd(q, kv, idx, sink), q, kv, sink)
+            do = jax.random.normal(jax.random.PRNGKey(7), o.shape, jnp.float32).astype(o.dtype)
+            return vjp_fn, (do, jnp.zeros_like(lse))
 
-    # vjp_fn is a pytree holding the residuals (q, kv, idx, o, lse, ...): jit takes them as
-    # arguments, so only the backward runs.
-    return jax.jit(lambda vjp_fn, cotangents: vjp_fn(cotangents)), bwd_args
+        # vjp_fn is a pytree holding the residuals (q, kv, idx, o, lse, ...): jit takes them as
+        # arguments, so only the backward runs.
+        return jax.jit(lambda vjp_fn, cotangents: vjp_fn(cotangents)), bwd_args
 
-  def loss(q, kv, sink, idx):
-    o, _ = fwd(q, kv, idx, sink)
-    return jnp.sum(o.astype(jnp.float32) ** 2)
+    def loss(q, kv, sink, idx):
+        o, _ = fwd(q, kv, idx, sink)
+        return jnp.sum(o.astype(jnp.float32) ** 2)
 
-  grad = jax.value_and_grad(loss, argnums=(0, 1, 2))
-  return jax.jit(lambda q, kv, idx, sink: grad(q, kv, sink, idx)), lambda *inputs: inputs
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2))
+    return jax.jit(lambda q, kv, idx, sink: grad(q, kv, sink, idx)), lambda *inputs: inputs
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--quick", action="store_true", help="only the issue's four shapes")
-  parser.add_argument("--heads", default="", help="comma-separated head counts to keep (default: all)")
-  parser.add_argument("--tokens", type=int, default=4096)
-  parser.add_argument("--impls", default="cute,xla")
-  parser.add_argument("--passes", default="fwd,bwd,fwdbwd")
-  parser.add_argument("--calls", type=int, default=10, help="calls per batch (at least)")
-  parser.add_argument("--batch-ms", type=float, default=25.0,
-                      help="more calls per batch until a batch lasts about this long")
-  parser.add_argument("--batches", type=int, default=7)
-  parser.add_argument("--out", default="bench_out")
-  parser.add_argument("--replot", metavar="MD",
-                      help="no timing: redraw DIR/benchmark.png from a benchmark.md (or a log "
-                           "holding its table) written by an earlier run")
-  args = parser.parse_args(argv)
-  if args.replot:
-    head, rows = read_report(args.replot)
-    plot_report(rows, head, args.out)
-    return rows
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="only the issue's four shapes")
+    parser.add_argument("--heads", default="", help="comma-separated head counts to keep (default: all)")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--impls", default="cute,xla")
+    parser.add_argument("--passes", default="fwd,bwd,fwdbwd")
+    parser.add_argument("--calls", type=int, default=10, help="calls per batch (at least)")
+    parser.add_argument("--batch-ms", type=float, default=25.0,
+                        help="more calls per batch until a batch lasts about this long")
+    parser.add_argument("--batches", type=int, default=7)
+    parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--replot", metavar="MD",
+                        help="no timing: redraw DIR/benchmark.png from a benchmark.md (or a log "
+                             "holding its table) written by an earlier run")
+    args = parser.parse_args(argv)
+    if args.replot:
+        head, rows = read_report(args.replot)
+        plot_report(rows, head, args.out)
+        return rows
 
-  impls = args.impls.split(",")
-  if api.kernel_runtime_problem() and any(i.startswith("cute") for i in impls):
-    print(f"kernel unavailable: {api.kernel_runtime_problem()}; timing the reference only")
-    impls = [i for i in impls if not i.startswith("cute")]
-  shapes = [s for s in SHAPES if not args.quick or s[0] in QUICK]
-  if args.heads:
-    shapes = [s for s in shapes if str(s[1]) in args.heads.split(",")]
-  rows = []
-  for label, h, topk in shapes:
-    q, kv, idx, sink, valid = make_inputs(h, topk, args.tokens)
-    flops_fwd = 2.0 * h * valid * (D + D_V)
-    bytes_fwd = 2.0 * (valid * D + q.size + q.size // D * D_V)
-    for passes in args.passes.split(","):
-      flops = flops_fwd * {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}[passes]
-      times = {}
-      for impl in impls:
-        fn, make_args = make_fn(impl, passes)
-        fn_args = make_args(q, kv, idx, sink)
-        t = time_call(fn, fn_args, args.calls, args.batches, args.batch_ms)
-        times[impl] = t
-        rows.append(dict(shape=label, h=h, k=WINDOW + topk, t=args.tokens, passes=passes,
-                         impl=impl, us=t * 1e6, tflops=flops / t / 1e12,
-                         tbs=bytes_fwd / t / 1e12 if passes == "fwd" else float("nan"),
-                         mem_mb=device_bytes(fn, fn_args) / 2**20))
-        del fn_args
-        print(f"{label:20s} {passes:6s} {impl:8s} {t * 1e6:10.1f} us {rows[-1]['tflops']:7.1f} "
-              f"TFLOP/s {rows[-1]['tbs']:6.2f} TB/s {rows[-1]['mem_mb']:9.1f} MB", flush=True)
-      if "xla" in times:
-        for r in rows[-len(impls):]:
-          r["vs_ref"] = times["xla"] / times[r["impl"]]
-  write_report(rows, args)
-  return rows
+    impls = args.impls.split(",")
+    if api.kernel_runtime_problem() and any(i.startswith("cute") for i in impls):
+        print(f"kernel unavailable: {api.kernel_runtime_problem()}; timing the reference only")
+        impls = [i for i in impls if not i.startswith("cute")]
+    shapes = [s for s in SHAPES if not args.quick or s[0] in QUICK]
+    if args.heads:
+        shapes = [s for s in shapes if str(s[1]) in args.heads.split(",")]
+    rows = []
+    for label, h, topk in shapes:
+        q, kv, idx, sink, valid = make_inputs(h, topk, args.tokens)
+        flops_fwd = 2.0 * h * valid * (D + D_V)
+        bytes_fwd = 2.0 * (valid * D + q.size + q.size // D * D_V)
+        for passes in args.passes.split(","):
+            flops = flops_fwd * {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}[passes]
+            times = {}
+            for impl in impls:
+                fn, make_args = make_fn(impl, passes)
+                fn_args = make_args(q, kv, idx, sink)
+                t = time_call(fn, fn_args, args.calls, args.batches, args.batch_ms)
+                times[impl] = t
+                rows.append(dict(shape=label, h=h, k=WINDOW + topk, t=args.tokens, passes=passes,
+                                 impl=impl, us=t * 1e6, tflops=flops / t / 1e12,
+                                 tbs=bytes_fwd / t / 1e12 if passes == "fwd" else float("nan"),
+                                 mem_mb=device_bytes(fn, fn_args) / 2**20))
+                del fn_args
+                print(f"{label:20s} {passes:6s} {impl:8s} {t * 1e6:10.1f} us {rows[-1]['tflops']:7.1f} "
+                      f"TFLOP/s {rows[-1]['tbs']:6.2f} TB/s {rows[-1]['mem_mb']:9.1f} MB", flush=True)
+            if "xla" in times:
+                for r in rows[-len(impls):]:
+                    r["vs_ref"] = times["xla"] / times[r["impl"]]
+    write_report(rows, args)
+    return rows
 
 
 def write_report(rows, args):
-  os.makedirs(args.out, exist_ok=True)
-  dev = jax.devices()[0]
-  head = (f"GPU/device: {dev.device_kind}; jax {jax.__version__}; "
-          f"{datetime.date.today().isoformat()}; T = S = {args.tokens}, B = 1, D = {D}, bf16, "
-          f"window {WINDOW} + top-k; median of {args.batches} batches of "
-          f">= {args.calls} calls (about {args.batch_ms:g} ms per batch)")
-  lines = [head, "", "| shape | H | K | pass | impl | µs | TFLOP/s | TB/s | device MB | "
-           "speed-up vs reference |", "|---|---|---|---|---|---|---|---|---|---|"]
-  for r in rows:
-    lines.append(f"| {r['shape']} | {r['h']} | {r['k']} | {r['passes']} | {r['impl']} | "
-                 f"{r['us']:.0f} | {r['tflops']:.1f} | {r['tbs']:.2f} | {r['mem_mb']:.0f} | "
-                 f"{r.get('vs_ref', float('nan')):.2f} |")
-  with open(os.path.join(args.out, "benchmark.md"), "w") as f:
-    f.write("\n".join(lines) + "\n")
-  print("\n".join(lines))
-  plot_report(rows, head, args.out)
+    os.makedirs(args.out, exist_ok=True)
+    dev = jax.devices()[0]
+    head = (f"GPU/device: {dev.device_kind}; jax {jax.__version__}; "
+            f"{datetime.date.today().isoformat()}; T = S = {args.tokens}, B = 1, D = {D}, bf16, "
+            f"window {WINDOW} + top-k; median of {args.batches} batches of "
+            f">= {args.calls} calls (about {args.batch_ms:g} ms per batch)")
+    lines = [head, "", "| shape | H | K | pass | impl | µs | TFLOP/s | TB/s | device MB | "
+             "speed-up vs reference |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['h']} | {r['k']} | {r['passes']} | {r['impl']} | "
+                     f"{r['us']:.0f} | {r['tflops']:.1f} | {r['tbs']:.2f} | {r['mem_mb']:.0f} | "
+                     f"{r.get('vs_ref', float('nan')):.2f} |")
+    with open(os.path.join(args.out, "benchmark.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot_report(rows, head, args.out)
 
 
 def read_report(path):
-  """(header line, rows) of a table written by write_report (other lines are skipped)."""
-  head, rows = "", []
-  with open(path) as f:
-    for line in f:
-      if line.startswith("GPU/device:"):
-        head = line.strip()
-      cells = [c.strip() for c in line.strip().strip("|").split("|")]
-      if line.startswith("|") and len(cells) == 10 and cells[1].isdigit():
-        rows.append(dict(shape=cells[0], h=int(cells[1]), k=int(cells[2]), passes=cells[3],
-                         impl=cells[4], us=float(cells[5])))
-  return head, rows
+    """(header line, rows) of a table written by write_report (other lines are skipped)."""
+    head, rows = "", []
+    with open(path) as f:
+        for line in f:
+            if line.startswith("GPU/device:"):
+                head = line.strip()
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if line.startswith("|") and len(cells) == 10 and cells[1].isdigit():
+                rows.append(dict(shape=cells[0], h=int(cells[1]), k=int(cells[2]), passes=cells[3],
+                                 impl=cells[4], us=float(cells[5])))
+    return head, rows
 
 
 def plot_report(rows, head, out):
-  """DIR/benchmark.png: µs per shape, one bar per (pass, implementation); needs matplotlib."""
-  os.makedirs(out, exist_ok=True)
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    return
-  fig, ax = plt.subplots(figsize=(10, 5))
-  keys = sorted({(r["passes"], r["impl"]) for r in rows})
-  labels = list(dict.fromkeys(r["shape"] for r in rows))
-  width = 0.8 / max(1, len(keys))
-  for i, key in enumerate(keys):
-    vals = [next((r["us"] for r in rows if r["shape"] == s and (r["passes"], r["impl"]) == key),
-                 0) for s in labels]
-    ax.bar(np.arange(len(labels)) + i * width, vals, width, label=f"{key[1]} {key[0]}")
-  ax.set_xticks(np.arange(len(labels)) + width * (len(keys) - 1) / 2, labels, rotation=30,
-                ha="right")
-  ax.set_ylabel("µs per call (lower is better)")
-  ax.set_yscale("log")
-  ax.set_title(head, fontsize=7)
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(os.path.join(out, "benchmark.png"), dpi=120)
+    """DIR/benchmark.png: µs per shape, one bar per (pass, implementation); needs matplotlib."""
+    os.makedirs(out, exist_ok=True)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(10, 5))
+    keys = sorted({(r["passes"], r["impl"]) for r in rows})
+    labels = list(dict.fromkeys(r["shape"] for r in rows))
+    width = 0.8 / max(1, len(keys))
+    for i, key in enumerate(keys):
+        vals = [next((r["us"] for r in rows if r["shape"] == s and (r["passes"], r["impl"]) == key),
+                     0) for s in labels]
+        ax.bar(np.arange(len(labels)) + i * width, vals, width, label=f"{key[1]} {key[0]}")
+    ax.set_xticks(np.arange(len(labels)) + width * (len(keys) - 1) / 2, labels, rotation=30,
+                  ha="right")
+    ax.set_ylabel("µs per call (lower is better)")
+    ax.set_yscale("log")
+    ax.set_title(head, fontsize=7)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "benchmark.png"), dpi=120)
 
 
 if __name__ == "__main__":
-  main()
+    main()

@@ -17,216 +17,216 @@ KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 
 def sparse_mla(q, kv, idx, *, scale=None, sink=None, topk_length=None, d_v=512,
                return_lse=False, implementation=None, deterministic=False, config=None):
-  """DeepSeek sparse attention (sparse MLA): each query token attends to its own K rows of kv.
+    """DeepSeek sparse attention (sparse MLA): each query token attends to its own K rows of kv.
 
-  Args:
-    q: [B, T, H, Dqk] (or [T, H, Dqk] for one sequence), bfloat16 / float16 (float32 runs on the
-      reference only).
-    kv: [B, S, Dqk] (or [S, Dqk]), the shared latent KV, same dtype as q. Keys are kv, values are
-      kv[..., :d_v].
-    idx: [B, T, K] (or [T, K]) int32: the rows of kv each token attends to. Entries < 0 or >= S are
-      skipped (never read); duplicates count as many times as they appear.
-    scale: softmax scale; default Dqk ** -0.5.
-    sink: optional [H] learnable attention sink (logit), in the softmax denominator only.
-    topk_length: optional [B, T] (or [T]) int32: only idx[b, t, :topk_length[b, t]] is used.
-    d_v: value width (the first d_v columns of kv), <= Dqk.
-    return_lse: also return lse [B, T, H] float32, the natural-log log-sum-exp of scale * q.k
-      over the valid entries (the sink excluded); -inf for a row with no valid entry.
-    implementation: None (the Hopper kernel when the arrays are on an sm_90 GPU and the shape is
-      supported, otherwise the pure-JAX reference), "xla" (always the reference) or "cute"
-      (always the kernel; raises where it cannot run).
-    deterministic: make the gradients bitwise reproducible run to run. The default backward
-      kernel adds dkv contributions with fp32 atomics, whose order varies; with True it stores
-      them per entry and sums each kv row's contributions in a fixed order instead (slower:
-      see docs/performance.md). Forward results are reproducible either way.
-    config: optional jax_dsa.cute.Config pinning the Hopper kernels (for experts and tests);
-      its None fields, and config=None, are chosen per device shard by jax_dsa.cute.select.
-      Ignored by the reference.
+    Args:
+      q: [B, T, H, Dqk] (or [T, H, Dqk] for one sequence), bfloat16 / float16 (float32 runs on the
+        reference only).
+      kv: [B, S, Dqk] (or [S, Dqk]), the shared latent KV, same dtype as q. Keys are kv, values are
+        kv[..., :d_v].
+      idx: [B, T, K] (or [T, K]) int32: the rows of kv each token attends to. Entries < 0 or >= S are
+        skipped (never read); duplicates count as many times as they appear.
+      scale: softmax scale; default Dqk ** -0.5.
+      sink: optional [H] learnable attention sink (logit), in the softmax denominator only.
+      topk_length: optional [B, T] (or [T]) int32: only idx[b, t, :topk_length[b, t]] is used.
+      d_v: value width (the first d_v columns of kv), <= Dqk.
+      return_lse: also return lse [B, T, H] float32, the natural-log log-sum-exp of scale * q.k
+        over the valid entries (the sink excluded); -inf for a row with no valid entry.
+      implementation: None (the Hopper kernel when the arrays are on an sm_90 GPU and the shape is
+        supported, otherwise the pure-JAX reference), "xla" (always the reference) or "cute"
+        (always the kernel; raises where it cannot run).
+      deterministic: make the gradients bitwise reproducible run to run. The default backward
+        kernel adds dkv contributions with fp32 atomics, whose order varies; with True it stores
+        them per entry and sums each kv row's contributions in a fixed order instead (slower:
+        see docs/performance.md). Forward results are reproducible either way.
+      config: optional jax_dsa.cute.Config pinning the Hopper kernels (for experts and tests);
+        its None fields, and config=None, are chosen per device shard by jax_dsa.cute.select.
+        Ignored by the reference.
 
-  Returns:
-    o [B, T, H, d_v] in q's dtype (zeros on a row with no valid entry), and lse if return_lse.
-  """
-  q, kv, idx = _as_array(q, "q"), _as_array(kv, "kv"), _as_array(idx, "idx")
-  unbatched = _check_layout(q, kv, idx)
-  if unbatched:
-    q, kv, idx = q[None], kv[None], idx[None]
-    if topk_length is not None:
-      topk_length = _as_array(topk_length, "topk_length")[None]
-  b, t, h, dqk = q.shape
-  k = idx.shape[2]
-  d_v = _check_d_v(d_v, dqk)
-  scale = _check_scale(scale, dqk)
-  topk_length = _check_topk_length(topk_length, b, t, k, unbatched)
-  sink = _check_sink(sink, h)
-  impl = _resolve_implementation(implementation, q, kv, d_v)
-  if not isinstance(deterministic, (bool, np.bool_)):
-    raise TypeError(f"deterministic must be a Python bool; got {deterministic!r}")
-  if config is not None and not isinstance(config, Config):
-    raise TypeError(f"config must be a jax_dsa.cute.Config or None; got {config!r}")
+    Returns:
+      o [B, T, H, d_v] in q's dtype (zeros on a row with no valid entry), and lse if return_lse.
+    """
+    q, kv, idx = _as_array(q, "q"), _as_array(kv, "kv"), _as_array(idx, "idx")
+    unbatched = _check_layout(q, kv, idx)
+    if unbatched:
+        q, kv, idx = q[None], kv[None], idx[None]
+        if topk_length is not None:
+            topk_length = _as_array(topk_length, "topk_length")[None]
+    b, t, h, dqk = q.shape
+    k = idx.shape[2]
+    d_v = _check_d_v(d_v, dqk)
+    scale = _check_scale(scale, dqk)
+    topk_length = _check_topk_length(topk_length, b, t, k, unbatched)
+    sink = _check_sink(sink, h)
+    impl = _resolve_implementation(implementation, q, kv, d_v)
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a Python bool; got {deterministic!r}")
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"config must be a jax_dsa.cute.Config or None; got {config!r}")
 
-  q, kv, idx, topk_length, sink = _same_variance(q, kv, idx, topk_length, sink)
-  o, lse = _core.attention(q, kv, idx, topk_length, sink, scale, d_v, impl, config,
-                           bool(deterministic))
-  if unbatched:
-    o, lse = o[0], lse[0]
-  return (o, lse) if return_lse else o
+    q, kv, idx, topk_length, sink = _same_variance(q, kv, idx, topk_length, sink)
+    o, lse = _core.attention(q, kv, idx, topk_length, sink, scale, d_v, impl, config,
+                             bool(deterministic))
+    if unbatched:
+        o, lse = o[0], lse[0]
+    return (o, lse) if return_lse else o
 
 
 def _as_array(x, name):
-  if isinstance(x, (jax.Array, np.ndarray, np.generic)) or hasattr(x, "shape"):
-    return x if isinstance(x, jax.Array) else jnp.asarray(x)
-  raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)) or hasattr(x, "shape"):
+        return x if isinstance(x, jax.Array) else jnp.asarray(x)
+    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
 
 
 def _check_layout(q, kv, idx) -> bool:
-  """Checks ranks, dtypes and the shapes q, kv and idx share. True for the 3-D layout."""
-  if q.ndim not in (3, 4):
-    raise ValueError(f"q must be [B, T, H, Dqk] or [T, H, Dqk]; got shape {q.shape}")
-  unbatched = q.ndim == 3
-  layout = "3-D" if unbatched else "4-D"
-  want = "[S, Dqk]" if unbatched else "[B, S, Dqk]"
-  if kv.ndim != q.ndim - 1:
-    raise ValueError(f"kv must be {want} for {layout} q; got shape {kv.shape}")
-  want = "[T, K]" if unbatched else "[B, T, K]"
-  if idx.ndim != q.ndim - 1:
-    raise ValueError(f"idx must be {want} for {layout} q; got shape {idx.shape}")
-  if not jnp.issubdtype(q.dtype, jnp.floating):
-    raise TypeError(f"q must be a floating dtype (bfloat16, float16, float32); got {q.dtype}")
-  if kv.dtype != q.dtype:
-    raise TypeError(f"kv must have q's dtype {q.dtype}; got {kv.dtype}")
-  if idx.dtype != jnp.int32:
-    raise TypeError(f"idx must be int32; got {idx.dtype}")
-  qs, kvs, ids = ((1,) + q.shape, (1,) + kv.shape, (1,) + idx.shape) if unbatched else (
-      q.shape, kv.shape, idx.shape)
-  if kvs[0] != qs[0]:
-    raise ValueError(f"kv's batch size {kvs[0]} differs from q's {qs[0]}")
-  if ids[0] != qs[0] or ids[1] != qs[1]:
-    raise ValueError(f"idx's batch and token extents {ids[:2]} differ from q's {qs[:2]}")
-  if kvs[2] != qs[3]:
-    raise ValueError(f"kv's last dimension {kvs[2]} differs from q's head dim Dqk={qs[3]}")
-  if qs[2] < 1:
-    raise ValueError(f"q must have at least one head; got H={qs[2]}")
-  if kvs[1] < 1:
-    raise ValueError("kv must have at least one row (S >= 1)")
-  if ids[2] < 1:
-    raise ValueError("idx must list at least one entry per token (K >= 1)")
-  return unbatched
+    """Checks ranks, dtypes and the shapes q, kv and idx share. True for the 3-D layout."""
+    if q.ndim not in (3, 4):
+        raise ValueError(f"q must be [B, T, H, Dqk] or [T, H, Dqk]; got shape {q.shape}")
+    unbatched = q.ndim == 3
+    layout = "3-D" if unbatched else "4-D"
+    want = "[S, Dqk]" if unbatched else "[B, S, Dqk]"
+    if kv.ndim != q.ndim - 1:
+        raise ValueError(f"kv must be {want} for {layout} q; got shape {kv.shape}")
+    want = "[T, K]" if unbatched else "[B, T, K]"
+    if idx.ndim != q.ndim - 1:
+        raise ValueError(f"idx must be {want} for {layout} q; got shape {idx.shape}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise TypeError(f"q must be a floating dtype (bfloat16, float16, float32); got {q.dtype}")
+    if kv.dtype != q.dtype:
+        raise TypeError(f"kv must have q's dtype {q.dtype}; got {kv.dtype}")
+    if idx.dtype != jnp.int32:
+        raise TypeError(f"idx must be int32; got {idx.dtype}")
+    qs, kvs, ids = ((1,) + q.shape, (1,) + kv.shape, (1,) + idx.shape) if unbatched else (
+        q.shape, kv.shape, idx.shape)
+    if kvs[0] != qs[0]:
+        raise ValueError(f"kv's batch size {kvs[0]} differs from q's {qs[0]}")
+    if ids[0] != qs[0] or ids[1] != qs[1]:
+        raise ValueError(f"idx's batch and token extents {ids[:2]} differ from q's {qs[:2]}")
+    if kvs[2] != qs[3]:
+        raise ValueError(f"kv's last dimension {kvs[2]} differs from q's head dim Dqk={qs[3]}")
+    if qs[2] < 1:
+        raise ValueError(f"q must have at least one head; got H={qs[2]}")
+    if kvs[1] < 1:
+        raise ValueError("kv must have at least one row (S >= 1)")
+    if ids[2] < 1:
+        raise ValueError("idx must list at least one entry per token (K >= 1)")
+    return unbatched
 
 
 def _check_d_v(d_v, dqk) -> int:
-  if isinstance(d_v, bool) or not isinstance(d_v, (int, np.integer)):
-    raise TypeError(f"d_v must be a Python int; got {d_v!r}")
-  if not 1 <= d_v <= dqk:
-    raise ValueError(f"d_v must be in 1..Dqk={dqk}; got d_v={d_v}")
-  return int(d_v)
+    if isinstance(d_v, bool) or not isinstance(d_v, (int, np.integer)):
+        raise TypeError(f"d_v must be a Python int; got {d_v!r}")
+    if not 1 <= d_v <= dqk:
+        raise ValueError(f"d_v must be in 1..Dqk={dqk}; got d_v={d_v}")
+    return int(d_v)
 
 
 def _check_scale(scale, dqk) -> float:
-  if scale is None:
-    return float(dqk) ** -0.5
-  if isinstance(scale, jax.core.Tracer):
-    raise TypeError("scale must be a static Python float, not a traced value")
-  scale = float(scale)
-  if not np.isfinite(scale):
-    raise ValueError(f"scale must be finite; got {scale}")
-  return scale
+    if scale is None:
+        return float(dqk) ** -0.5
+    if isinstance(scale, jax.core.Tracer):
+        raise TypeError("scale must be a static Python float, not a traced value")
+    scale = float(scale)
+    if not np.isfinite(scale):
+        raise ValueError(f"scale must be finite; got {scale}")
+    return scale
 
 
 def _check_topk_length(topk_length, b, t, k, unbatched):
-  if topk_length is None:
-    return jnp.full((b, t), k, jnp.int32)
-  topk_length = _as_array(topk_length, "topk_length")
-  if topk_length.dtype != jnp.int32:
-    raise TypeError(f"topk_length must be int32; got {topk_length.dtype}")
-  if topk_length.shape != (b, t):
-    want = f"[T]=({t},)" if unbatched else f"[B, T]=({b}, {t})"
-    got = topk_length.shape[1:] if unbatched else topk_length.shape
-    raise ValueError(f"topk_length must be {want}; got shape {got}")
-  return topk_length
+    if topk_length is None:
+        return jnp.full((b, t), k, jnp.int32)
+    topk_length = _as_array(topk_length, "topk_length")
+    if topk_length.dtype != jnp.int32:
+        raise TypeError(f"topk_length must be int32; got {topk_length.dtype}")
+    if topk_length.shape != (b, t):
+        want = f"[T]=({t},)" if unbatched else f"[B, T]=({b}, {t})"
+        got = topk_length.shape[1:] if unbatched else topk_length.shape
+        raise ValueError(f"topk_length must be {want}; got shape {got}")
+    return topk_length
 
 
 def _check_sink(sink, h):
-  if sink is None:
-    return jnp.full((h,), -jnp.inf, jnp.float32)
-  sink = _as_array(sink, "sink")
-  if not jnp.issubdtype(sink.dtype, jnp.floating):
-    raise TypeError(f"sink must be floating (float32); got {sink.dtype}")
-  if sink.shape != (h,):
-    raise ValueError(f"sink must be [H]=({h},); got shape {sink.shape}")
-  return sink.astype(jnp.float32)
+    if sink is None:
+        return jnp.full((h,), -jnp.inf, jnp.float32)
+    sink = _as_array(sink, "sink")
+    if not jnp.issubdtype(sink.dtype, jnp.floating):
+        raise TypeError(f"sink must be floating (float32); got {sink.dtype}")
+    if sink.shape != (h,):
+        raise ValueError(f"sink must be [H]=({h},); got shape {sink.shape}")
+    return sink.astype(jnp.float32)
 
 
 def _variance(x) -> frozenset:
-  """The manual mesh axes x varies over inside shard_map (empty outside)."""
-  aval = jax.typeof(x)
-  vma = getattr(aval, "vma", None)
-  if vma is None:  # jax 0.10 keeps it on the manual-axis type
-    vma = getattr(getattr(aval, "mat", None), "varying", None)
-  return frozenset(vma or ())
+    """The manual mesh axes x varies over inside shard_map (empty outside)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:  # jax 0.10 keeps it on the manual-axis type
+        vma = getattr(getattr(aval, "mat", None), "varying", None)
+    return frozenset(vma or ())
 
 
 def _same_variance(*arrays):
-  """Inside shard_map, mark replicated operands as varying over the axes q and the others vary
-  over (pcast, free). Its transpose is a psum: that is how dkv and dsink get summed over head or
-  token shards without the user writing one."""
-  union = frozenset().union(*(_variance(x) for x in arrays))
-  if not union:
-    return arrays
-  cast = (lambda x, ax: jax.lax.pcast(x, ax, to="varying")) if hasattr(jax.lax, "pcast") else (
-      jax.lax.pvary)
-  return tuple(x if _variance(x) == union else cast(x, tuple(sorted(union - _variance(x))))
-               for x in arrays)
+    """Inside shard_map, mark replicated operands as varying over the axes q and the others vary
+    over (pcast, free). Its transpose is a psum: that is how dkv and dsink get summed over head or
+    token shards without the user writing one."""
+    union = frozenset().union(*(_variance(x) for x in arrays))
+    if not union:
+        return arrays
+    cast = (lambda x, ax: jax.lax.pcast(x, ax, to="varying")) if hasattr(jax.lax, "pcast") else (
+        jax.lax.pvary)
+    return tuple(x if _variance(x) == union else cast(x, tuple(sorted(union - _variance(x))))
+                 for x in arrays)
 
 
 def kernel_shape_problem(q, kv, d_v) -> str | None:
-  """Why the Hopper kernel cannot take this problem, or None when it can."""
-  h, dqk = q.shape[-2], q.shape[-1]
-  if q.dtype not in KERNEL_DTYPES:
-    return f"the kernel takes bfloat16/float16, not {q.dtype}"
-  if dqk not in constants.HEAD_DIMS:
-    return f"the kernel takes Dqk in {constants.HEAD_DIMS}, not {dqk}"
-  if d_v != constants.D_V:
-    return f"the kernel takes d_v={constants.D_V}, not {d_v}"
-  if h > constants.MAX_HEADS:
-    return f"the kernel takes H in 1..{constants.MAX_HEADS}, not {h}"
-  return None
+    """Why the Hopper kernel cannot take this problem, or None when it can."""
+    h, dqk = q.shape[-2], q.shape[-1]
+    if q.dtype not in KERNEL_DTYPES:
+        return f"the kernel takes bfloat16/float16, not {q.dtype}"
+    if dqk not in constants.HEAD_DIMS:
+        return f"the kernel takes Dqk in {constants.HEAD_DIMS}, not {dqk}"
+    if d_v != constants.D_V:
+        return f"the kernel takes d_v={constants.D_V}, not {d_v}"
+    if h > constants.MAX_HEADS:
+        return f"the kernel takes H in 1..{constants.MAX_HEADS}, not {h}"
+    return None
 
 
 @functools.lru_cache(maxsize=None)
 def kernel_runtime_problem() -> str | None:
-  """Why the Hopper kernels cannot run in this process, or None when they can."""
-  from jax_dsa.cute import ffi
-  if not ffi.is_available():
-    return "the kernel library was not built (install jax_dsa with nvidia-cutlass-dsl present)"
-  try:
-    gpus = jax.devices("cuda")
-  except RuntimeError:
-    return "no CUDA device is visible to JAX"
-  archs = {getattr(d, "compute_capability", "?") for d in gpus}
-  if archs != {"9.0"}:
-    return f"the kernels are built for sm_90 (Hopper); the CUDA devices are {sorted(archs)}"
-  return None
+    """Why the Hopper kernels cannot run in this process, or None when they can."""
+    from jax_dsa.cute import ffi
+    if not ffi.is_available():
+        return "the kernel library was not built (install jax_dsa with nvidia-cutlass-dsl present)"
+    try:
+        gpus = jax.devices("cuda")
+    except RuntimeError:
+        return "no CUDA device is visible to JAX"
+    archs = {getattr(d, "compute_capability", "?") for d in gpus}
+    if archs != {"9.0"}:
+        return f"the kernels are built for sm_90 (Hopper); the CUDA devices are {sorted(archs)}"
+    return None
 
 
 def _arrays_off_gpu(*arrays) -> bool:
-  for x in arrays:
-    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
-      continue
-    if any(d.platform != "gpu" for d in x.devices()):
-      return True
-  return False
+    for x in arrays:
+        if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+            continue
+        if any(d.platform != "gpu" for d in x.devices()):
+            return True
+    return False
 
 
 def _resolve_implementation(implementation, q, kv, d_v) -> str:
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}")
-  if implementation == "xla":
-    return "xla"
-  problem = kernel_shape_problem(q, kv, d_v) or kernel_runtime_problem()
-  if implementation is None:
-    return "xla" if problem else "auto"
-  if problem is None and _arrays_off_gpu(q, kv):
-    problem = "q/kv are not on a CUDA device"
-  if problem:
-    raise NotImplementedError(f"implementation='cute' cannot run here: {problem}")
-  return "cute"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}")
+    if implementation == "xla":
+        return "xla"
+    problem = kernel_shape_problem(q, kv, d_v) or kernel_runtime_problem()
+    if implementation is None:
+        return "xla" if problem else "auto"
+    if problem is None and _arrays_off_gpu(q, kv):
+        problem = "q/kv are not on a CUDA device"
+    if problem:
+        raise NotImplementedError(f"implementation='cute' cannot run here: {problem}")
+    return "cute"

@@ -4,7 +4,7 @@ All functions here take the canonical batched layout
   q [B, T, H, Dqk], kv [B, S, Dqk], idx [B, T, K] int32, topk_length [B, T] int32,
   sink [H] float32 (-inf where the caller has no sink)
 and work on chunks of tokens, so that peak memory is O(chunk * K * Dqk), never O(T * K * Dqk).
-The backward is written out explicitly (DESIGN.md section 3) rather than obtained by
+The backward is written out explicitly (docs/design.md) rather than obtained by
 differentiating through the gather: dkv is a scatter-add that drops invalid entries.
 """
 from __future__ import annotations
@@ -19,177 +19,177 @@ _CHUNK_ELEMENTS = 1 << 25
 
 
 def chunk_tokens(t: int, k: int, d: int, h: int, budget: int = _CHUNK_ELEMENTS) -> int:
-  """Tokens per chunk so that one chunk's K*D gather and H*K scores stay within `budget`."""
-  return int(max(1, min(t, budget // max(1, k * (d + h)))))
+    """Tokens per chunk so that one chunk's K*D gather and H*K scores stay within `budget`."""
+    return int(max(1, min(t, budget // max(1, k * (d + h)))))
 
 
 def valid_mask(idx, topk_length, num_kv_rows: int):
-  """[B, T, K] bool: entry is used iff 0 <= idx < S and its slot is below topk_length."""
-  slot = lax.broadcasted_iota(jnp.int32, idx.shape, 2)
-  return (idx >= 0) & (idx < num_kv_rows) & (slot < topk_length[..., None])
+    """[B, T, K] bool: entry is used iff 0 <= idx < S and its slot is below topk_length."""
+    slot = lax.broadcasted_iota(jnp.int32, idx.shape, 2)
+    return (idx >= 0) & (idx < num_kv_rows) & (slot < topk_length[..., None])
 
 
 def _gather_rows(kv, idx, valid):
-  """kv [B, S, D], idx [B, c, K] -> [B, c, K, D]; invalid slots read row 0 and are masked later."""
-  safe = jnp.where(valid, idx, 0)
-  return jax.vmap(lambda rows, i: rows[i])(kv, safe)
+    """kv [B, S, D], idx [B, c, K] -> [B, c, K, D]; invalid slots read row 0 and are masked later."""
+    safe = jnp.where(valid, idx, 0)
+    return jax.vmap(lambda rows, i: rows[i])(kv, safe)
 
 
 def _scores(q, rows, valid, scale):
-  """fp32 scores [B, c, H, K], -inf at invalid slots."""
-  s = jnp.einsum("bthd,btkd->bthk", q, rows, precision=_HIGHEST,
-                 preferred_element_type=jnp.float32) * scale
-  return jnp.where(valid[:, :, None, :], s, -jnp.inf)
+    """fp32 scores [B, c, H, K], -inf at invalid slots."""
+    s = jnp.einsum("bthd,btkd->bthk", q, rows, precision=_HIGHEST,
+                   preferred_element_type=jnp.float32) * scale
+    return jnp.where(valid[:, :, None, :], s, -jnp.inf)
 
 
 def _chunked(chunk: int, *arrays):
-  """Split arrays shaped [B, T, ...] into [n, B, chunk, ...] (T zero-padded to n * chunk)."""
-  t = arrays[0].shape[1]
-  n = -(-t // chunk)
-  pad = n * chunk - t
+    """Split arrays shaped [B, T, ...] into [n, B, chunk, ...] (T zero-padded to n * chunk)."""
+    t = arrays[0].shape[1]
+    n = -(-t // chunk)
+    pad = n * chunk - t
 
-  def split(x):
-    if pad:
-      x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    return jnp.moveaxis(x.reshape(x.shape[0], n, chunk, *x.shape[2:]), 1, 0)
+    def split(x):
+        if pad:
+            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(x.shape[0], n, chunk, *x.shape[2:]), 1, 0)
 
-  return [split(x) for x in arrays], pad
+    return [split(x) for x in arrays], pad
 
 
 def _merge(x, pad):
-  """[n, B, chunk, ...] -> [B, T, ...]."""
-  x = jnp.moveaxis(x, 0, 1)
-  x = x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
-  return x[:, : x.shape[1] - pad] if pad else x
+    """[n, B, chunk, ...] -> [B, T, ...]."""
+    x = jnp.moveaxis(x, 0, 1)
+    x = x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+    return x[:, : x.shape[1] - pad] if pad else x
 
 
 def _scatter_add_rows(acc, rows, updates):
-  """acc[rows[i]] += updates[i] for every slot; rows >= acc.shape[0] are dropped, not written."""
-  d = acc.shape[-1]
-  dnums = lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,),
-                                      scatter_dims_to_operand_dims=(0,))
-  return lax.scatter_add(acc, rows.reshape(-1, 1), updates.reshape(-1, d), dnums,
-                         mode=lax.GatherScatterMode.FILL_OR_DROP)
+    """acc[rows[i]] += updates[i] for every slot; rows >= acc.shape[0] are dropped, not written."""
+    d = acc.shape[-1]
+    dnums = lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,),
+                                        scatter_dims_to_operand_dims=(0,))
+    return lax.scatter_add(acc, rows.reshape(-1, 1), updates.reshape(-1, d), dnums,
+                           mode=lax.GatherScatterMode.FILL_OR_DROP)
 
 
 def _scatter_add_rows_in_order(acc, rows, updates):
-  """_scatter_add_rows with a fixed fp32 summation order (deterministic=True): the slots are
-  sorted by row (stable), each run of equal rows is summed by a segmented scan (a fixed tree of
-  adds), and each distinct row then receives exactly one addition, so the order in which a
-  GPU's scatter atomics land cannot change the result."""
-  d = acc.shape[-1]
-  rows = rows.reshape(-1)
-  updates = updates.reshape(-1, d)
-  order = jnp.argsort(rows, stable=True)
-  rows, updates = rows[order], updates[order]
-  new_run = jnp.concatenate([jnp.ones((1,), bool), rows[1:] != rows[:-1]])
-  run_ends = jnp.concatenate([rows[1:] != rows[:-1], jnp.ones((1,), bool)])
+    """_scatter_add_rows with a fixed fp32 summation order (deterministic=True): the slots are
+    sorted by row (stable), each run of equal rows is summed by a segmented scan (a fixed tree of
+    adds), and each distinct row then receives exactly one addition, so the order in which a
+    GPU's scatter atomics land cannot change the result."""
+    d = acc.shape[-1]
+    rows = rows.reshape(-1)
+    updates = updates.reshape(-1, d)
+    order = jnp.argsort(rows, stable=True)
+    rows, updates = rows[order], updates[order]
+    new_run = jnp.concatenate([jnp.ones((1,), bool), rows[1:] != rows[:-1]])
+    run_ends = jnp.concatenate([rows[1:] != rows[:-1], jnp.ones((1,), bool)])
 
-  def combine(a, b):
-    (starts_a, sum_a), (starts_b, sum_b) = a, b
-    return starts_a | starts_b, jnp.where(starts_b[..., None], sum_b, sum_a + sum_b)
+    def combine(a, b):
+        (starts_a, sum_a), (starts_b, sum_b) = a, b
+        return starts_a | starts_b, jnp.where(starts_b[..., None], sum_b, sum_a + sum_b)
 
-  _, sums = lax.associative_scan(combine, (new_run, updates))
-  return _scatter_add_rows(acc, jnp.where(run_ends, rows, acc.shape[0]), sums)
+    _, sums = lax.associative_scan(combine, (new_run, updates))
+    return _scatter_add_rows(acc, jnp.where(run_ends, rows, acc.shape[0]), sums)
 
 
 def _varying_like(x, *refs):
-  """x with the shard_map variance (vma) of refs, so that a scan carry keeps its type.
+    """x with the shard_map variance (vma) of refs, so that a scan carry keeps its type.
 
-  Adds an exact 0.0 computed from each ref (a sum over an empty slice): version-independent,
-  and a no-op outside shard_map.
-  """
-  zero = sum(jnp.sum(r[..., :0].astype(x.dtype)) for r in refs)
-  return x + zero
+    Adds an exact 0.0 computed from each ref (a sum over an empty slice): version-independent,
+    and a no-op outside shard_map.
+    """
+    zero = sum(jnp.sum(r[..., :0].astype(x.dtype)) for r in refs)
+    return x + zero
 
 
 def forward(q, kv, idx, topk_length, sink, *, scale: float, d_v: int, chunk: int | None = None):
-  """Returns (o [B, T, H, d_v] in q.dtype, lse [B, T, H] float32)."""
-  b, t, h, d = q.shape
-  s_rows = kv.shape[1]
-  k = idx.shape[2]
-  chunk = chunk or chunk_tokens(t, k, d, h)
-  (qc, ic, lc), pad = _chunked(chunk, q, idx, topk_length)
-  sink = sink.astype(jnp.float32)
+    """Returns (o [B, T, H, d_v] in q.dtype, lse [B, T, H] float32)."""
+    b, t, h, d = q.shape
+    s_rows = kv.shape[1]
+    k = idx.shape[2]
+    chunk = chunk or chunk_tokens(t, k, d, h)
+    (qc, ic, lc), pad = _chunked(chunk, q, idx, topk_length)
+    sink = sink.astype(jnp.float32)
 
-  def one_chunk(args):
-    q_, i_, l_ = args
-    valid = valid_mask(i_, l_, s_rows)
-    rows = _gather_rows(kv, i_, valid)
-    s = _scores(q_, rows, valid, scale)
-    m = jnp.max(s, axis=-1)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)  # dead rows: every s is -inf, p becomes 0
-    p = jnp.exp(s - m[..., None])
-    l = jnp.sum(p, axis=-1)
-    denom = l + jnp.exp(sink[None, None, :] - m)
-    o = jnp.einsum("bthk,btkd->bthd", p, rows[..., :d_v], precision=_HIGHEST,
-                   preferred_element_type=jnp.float32)
-    o = o / jnp.where(denom > 0, denom, 1.0)[..., None]
-    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
-    return o.astype(q.dtype), lse
+    def one_chunk(args):
+        q_, i_, l_ = args
+        valid = valid_mask(i_, l_, s_rows)
+        rows = _gather_rows(kv, i_, valid)
+        s = _scores(q_, rows, valid, scale)
+        m = jnp.max(s, axis=-1)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)  # dead rows: every s is -inf, p becomes 0
+        p = jnp.exp(s - m[..., None])
+        l = jnp.sum(p, axis=-1)
+        denom = l + jnp.exp(sink[None, None, :] - m)
+        o = jnp.einsum("bthk,btkd->bthd", p, rows[..., :d_v], precision=_HIGHEST,
+                       preferred_element_type=jnp.float32)
+        o = o / jnp.where(denom > 0, denom, 1.0)[..., None]
+        lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+        return o.astype(q.dtype), lse
 
-  o, lse = lax.map(one_chunk, (qc, ic, lc))
-  return _merge(o, pad), _merge(lse, pad)
+    o, lse = lax.map(one_chunk, (qc, ic, lc))
+    return _merge(o, pad), _merge(lse, pad)
 
 
 def sink_split(sink, lse):
-  """(c, 1 - c) with c = 1 / (1 + exp(sink - lse)), the share of probability left to the KV.
+    """(c, 1 - c) with c = 1 / (1 + exp(sink - lse)), the share of probability left to the KV.
 
-  1 - c is computed directly (not by subtraction), which keeps dsink accurate when the sink
-  holds a small share. Dead rows (lse = -inf) give c = 0 with a sink and c = 1 without one
-  (sink = -inf); neither is NaN.
-  """
-  gap = sink.astype(jnp.float32) - lse
-  gap = jnp.where(jnp.isnan(gap), -jnp.inf, gap)  # -inf - (-inf): no sink on a dead row
-  return 1.0 / (1.0 + jnp.exp(gap)), 1.0 / (1.0 + jnp.exp(-gap))
+    1 - c is computed directly (not by subtraction), which keeps dsink accurate when the sink
+    holds a small share. Dead rows (lse = -inf) give c = 0 with a sink and c = 1 without one
+    (sink = -inf); neither is NaN.
+    """
+    gap = sink.astype(jnp.float32) - lse
+    gap = jnp.where(jnp.isnan(gap), -jnp.inf, gap)  # -inf - (-inf): no sink on a dead row
+    return 1.0 / (1.0 + jnp.exp(gap)), 1.0 / (1.0 + jnp.exp(-gap))
 
 
 def backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale: float, d_v: int,
              chunk: int | None = None, deterministic: bool = False):
-  """Gradients of (o, lse) -> (dq [q.dtype], dkv float32, dsink per batch [B, H] float32).
+    """Gradients of (o, lse) -> (dq [q.dtype], dkv float32, dsink per batch [B, H] float32).
 
-  dkv stays fp32 so that sharded callers can sum partial dkv across shards before the cast.
-  deterministic: sum each kv row's contributions in a fixed order (XLA's GPU scatter-add uses
-  atomics otherwise).
-  """
-  scatter = _scatter_add_rows_in_order if deterministic else _scatter_add_rows
-  b, t, h, d = q.shape
-  s_rows = kv.shape[1]
-  k = idx.shape[2]
-  chunk = chunk or chunk_tokens(t, k, d, h)
-  sink = sink.astype(jnp.float32)
-  (qc, ic, lc, oc, lsec, doc, dlsec), pad = _chunked(
-      chunk, q, idx, topk_length, o, lse, do, dlse)
-  # Rows that were padded on get valid=False through topk_length=0, so they scatter nothing.
+    dkv stays fp32 so that sharded callers can sum partial dkv across shards before the cast.
+    deterministic: sum each kv row's contributions in a fixed order (XLA's GPU scatter-add uses
+    atomics otherwise).
+    """
+    scatter = _scatter_add_rows_in_order if deterministic else _scatter_add_rows
+    b, t, h, d = q.shape
+    s_rows = kv.shape[1]
+    k = idx.shape[2]
+    chunk = chunk or chunk_tokens(t, k, d, h)
+    sink = sink.astype(jnp.float32)
+    (qc, ic, lc, oc, lsec, doc, dlsec), pad = _chunked(
+        chunk, q, idx, topk_length, o, lse, do, dlse)
+    # Rows that were padded on get valid=False through topk_length=0, so they scatter nothing.
 
-  def one_chunk(dkv_acc, args):
-    q_, i_, l_, o_, lse_, do_, dlse_ = args
-    valid = valid_mask(i_, l_, s_rows)
-    rows = _gather_rows(kv, i_, valid)
-    s = _scores(q_, rows, valid, scale)
-    live = jnp.isfinite(lse_)
-    p_kv = jnp.where(live[..., None], jnp.exp(s - jnp.where(live, lse_, 0.0)[..., None]), 0.0)
-    c, sink_share = sink_split(sink[None, None, :], lse_)
-    do32 = do_.astype(jnp.float32)
-    delta = jnp.sum(do32 * o_.astype(jnp.float32), axis=-1)
-    dp = jnp.einsum("bthd,btkd->bthk", do32, rows[..., :d_v], precision=_HIGHEST,
-                    preferred_element_type=jnp.float32)
-    ds = p_kv * (c[..., None] * (dp - delta[..., None]) + dlse_.astype(jnp.float32)[..., None])
-    dq = scale * jnp.einsum("bthk,btkd->bthd", ds, rows, precision=_HIGHEST,
-                            preferred_element_type=jnp.float32)
-    # Per gathered slot: K part scale * dS^T q, V part p^T dO on the first d_v columns.
-    drow = scale * jnp.einsum("bthk,bthd->btkd", ds, q_, precision=_HIGHEST,
-                              preferred_element_type=jnp.float32)
-    dv = jnp.einsum("bthk,bthd->btkd", c[..., None] * p_kv, do32, precision=_HIGHEST,
-                    preferred_element_type=jnp.float32)
-    drow = jnp.concatenate([drow[..., :d_v] + dv, drow[..., d_v:]], axis=-1)
-    # Invalid slots point past the end and are dropped: nothing is ever written there.
-    target = jnp.where(valid, i_, s_rows)
-    dkv_acc = jax.vmap(scatter)(dkv_acc, target, drow)
-    dsink = -jnp.sum(sink_share * delta, axis=1)  # [B, H]
-    return dkv_acc, (dq.astype(q.dtype), dsink)
+    def one_chunk(dkv_acc, args):
+        q_, i_, l_, o_, lse_, do_, dlse_ = args
+        valid = valid_mask(i_, l_, s_rows)
+        rows = _gather_rows(kv, i_, valid)
+        s = _scores(q_, rows, valid, scale)
+        live = jnp.isfinite(lse_)
+        p_kv = jnp.where(live[..., None], jnp.exp(s - jnp.where(live, lse_, 0.0)[..., None]), 0.0)
+        c, sink_share = sink_split(sink[None, None, :], lse_)
+        do32 = do_.astype(jnp.float32)
+        delta = jnp.sum(do32 * o_.astype(jnp.float32), axis=-1)
+        dp = jnp.einsum("bthd,btkd->bthk", do32, rows[..., :d_v], precision=_HIGHEST,
+                        preferred_element_type=jnp.float32)
+        ds = p_kv * (c[..., None] * (dp - delta[..., None]) + dlse_.astype(jnp.float32)[..., None])
+        dq = scale * jnp.einsum("bthk,btkd->bthd", ds, rows, precision=_HIGHEST,
+                                preferred_element_type=jnp.float32)
+        # Per gathered slot: K part scale * dS^T q, V part p^T dO on the first d_v columns.
+        drow = scale * jnp.einsum("bthk,bthd->btkd", ds, q_, precision=_HIGHEST,
+                                  preferred_element_type=jnp.float32)
+        dv = jnp.einsum("bthk,bthd->btkd", c[..., None] * p_kv, do32, precision=_HIGHEST,
+                        preferred_element_type=jnp.float32)
+        drow = jnp.concatenate([drow[..., :d_v] + dv, drow[..., d_v:]], axis=-1)
+        # Invalid slots point past the end and are dropped: nothing is ever written there.
+        target = jnp.where(valid, i_, s_rows)
+        dkv_acc = jax.vmap(scatter)(dkv_acc, target, drow)
+        dsink = -jnp.sum(sink_share * delta, axis=1)  # [B, H]
+        return dkv_acc, (dq.astype(q.dtype), dsink)
 
-  dkv0 = _varying_like(jnp.zeros((b, s_rows, d), jnp.float32), q, idx, do, dlse)
-  dkv, (dq, dsink) = lax.scan(one_chunk, dkv0, (qc, ic, lc, oc, lsec, doc, dlsec))
-  dsink = jnp.where(jnp.isneginf(sink)[None, :], 0.0, jnp.sum(dsink, axis=0))
-  return _merge(dq, pad), dkv, dsink
+    dkv0 = _varying_like(jnp.zeros((b, s_rows, d), jnp.float32), q, idx, do, dlse)
+    dkv, (dq, dsink) = lax.scan(one_chunk, dkv0, (qc, ic, lc, oc, lsec, doc, dlsec))
+    dsink = jnp.where(jnp.isneginf(sink)[None, :], 0.0, jnp.sum(dsink, axis=0))
+    return _merge(dq, pad), dkv, dsink

@@ -27,121 +27,121 @@ _REPLICATED_FACTORS = ("d", "s", "k", "v")
 
 
 def _entries(sharding, ndim: int):
-  spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
-  return spec + (None,) * (ndim - len(spec))
+    spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
+    return spec + (None,) * (ndim - len(spec))
 
 
 def _axes(entry) -> tuple[str, ...]:
-  if entry is None:
-    return ()
-  return (entry,) if isinstance(entry, str) else tuple(entry)
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _q_layout(arg_shapes):
-  """Mesh axes of q's batch, token and head dimensions (D is never sharded)."""
-  b, t, h, _ = _entries(arg_shapes[0].sharding, 4)
-  return b, t, h
+    """Mesh axes of q's batch, token and head dimensions (D is never sharded)."""
+    b, t, h, _ = _entries(arg_shapes[0].sharding, 4)
+    return b, t, h
 
 
 def _named(mesh, specs):
-  return tuple(NamedSharding(mesh, s) for s in specs)
+    return tuple(NamedSharding(mesh, s) for s in specs)
 
 
 def _fwd_specs(b, t, h):
-  args = (P(b, t, h, None), P(b, None, None), P(b, t, None), P(b, t), P(h))
-  outs = (P(b, t, h, None), P(b, t, h))
-  return args, outs
+    args = (P(b, t, h, None), P(b, None, None), P(b, t, None), P(b, t), P(h))
+    outs = (P(b, t, h, None), P(b, t, h))
+    return args, outs
 
 
 def _bwd_specs(b, t, h):
-  fwd_args, (o, lse) = _fwd_specs(b, t, h)
-  args = fwd_args + (o, lse, o, lse)
-  outs = (P(b, t, h, None), P(b, None, None), P(b, h))
-  return args, outs
+    fwd_args, (o, lse) = _fwd_specs(b, t, h)
+    args = fwd_args + (o, lse, o, lse)
+    outs = (P(b, t, h, None), P(b, None, None), P(b, h))
+    return args, outs
 
 
 def _fold_vmap(op: Callable, num_outputs: int):
-  """Make `op` (arrays with a leading batch axis B) vmappable by folding the vmapped axis into B.
+    """Make `op` (arrays with a leading batch axis B) vmappable by folding the vmapped axis into B.
 
-  Every output leads with B (the sink gradient is returned per batch entry for this reason), so
-  outputs unfold uniformly. The sink ([H]) has no B axis: if it is batched we map sequentially.
-  """
-  folded = jax.custom_batching.custom_vmap(op)
+    Every output leads with B (the sink gradient is returned per batch entry for this reason), so
+    outputs unfold uniformly. The sink ([H]) has no B axis: if it is batched we map sequentially.
+    """
+    folded = jax.custom_batching.custom_vmap(op)
 
-  @folded.def_vmap
-  def _rule(axis_size, in_batched, *args):
-    args = tuple(jnp.asarray(x) for x in args)  # batched NumPy constants reach here unconverted
-    sink_pos = 4
-    if in_batched[sink_pos]:
-      outs = jax.lax.map(lambda a: op(*a), tuple(
-          x if bat else jnp.broadcast_to(x, (axis_size,) + x.shape)
-          for x, bat in zip(args, in_batched)))
-      return outs, (True,) * num_outputs
+    @folded.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        args = tuple(jnp.asarray(x) for x in args)  # batched NumPy constants reach here unconverted
+        sink_pos = 4
+        if in_batched[sink_pos]:
+            outs = jax.lax.map(lambda a: op(*a), tuple(
+                x if bat else jnp.broadcast_to(x, (axis_size,) + x.shape)
+                for x, bat in zip(args, in_batched)))
+            return outs, (True,) * num_outputs
 
-    def fold(i, x, bat):
-      if i == sink_pos:
-        return x
-      if not bat:
-        x = jnp.broadcast_to(x, (axis_size,) + x.shape)
-      return x.reshape((axis_size * x.shape[1],) + x.shape[2:])
+        def fold(i, x, bat):
+            if i == sink_pos:
+                return x
+            if not bat:
+                x = jnp.broadcast_to(x, (axis_size,) + x.shape)
+            return x.reshape((axis_size * x.shape[1],) + x.shape[2:])
 
-    outs = op(*(fold(i, x, bat) for i, (x, bat) in enumerate(zip(args, in_batched))))
-    outs = tuple(y.reshape((axis_size, y.shape[0] // axis_size) + y.shape[1:]) for y in outs)
-    return outs, (True,) * num_outputs
+        outs = op(*(fold(i, x, bat) for i, (x, bat) in enumerate(zip(args, in_batched))))
+        outs = tuple(y.reshape((axis_size, y.shape[0] // axis_size) + y.shape[1:]) for y in outs)
+        return outs, (True,) * num_outputs
 
-  return folded
+    return folded
 
 
 def make_forward(local_fwd: Callable, scale: float, d_v: int, impl: str):
-  """Partitioned, vmappable forward: (q, kv, idx, topk_length, sink) -> (o, lse)."""
+    """Partitioned, vmappable forward: (q, kv, idx, topk_length, sink) -> (o, lse)."""
 
-  def body(q, kv, idx, topk_length, sink):
-    return local_fwd(q, kv, idx, topk_length, sink, scale=scale, d_v=d_v, impl=impl)
+    def body(q, kv, idx, topk_length, sink):
+        return local_fwd(q, kv, idx, topk_length, sink, scale=scale, d_v=d_v, impl=impl)
 
-  op = custom_partitioning(body)
+    op = custom_partitioning(body)
 
-  def infer(mesh, arg_shapes, result_shape):
-    _, outs = _fwd_specs(*_q_layout(arg_shapes))
-    return _named(mesh, outs)
+    def infer(mesh, arg_shapes, result_shape):
+        _, outs = _fwd_specs(*_q_layout(arg_shapes))
+        return _named(mesh, outs)
 
-  def partition(mesh, arg_shapes, result_shape):
-    args, outs = _fwd_specs(*_q_layout(arg_shapes))
-    return mesh, body, _named(mesh, outs), _named(mesh, args)
+    def partition(mesh, arg_shapes, result_shape):
+        args, outs = _fwd_specs(*_q_layout(arg_shapes))
+        return mesh, body, _named(mesh, outs), _named(mesh, args)
 
-  op.def_partition(partition=partition, infer_sharding_from_operands=infer,
-                   sharding_rule=_FWD_RULE, need_replication_factors=_REPLICATED_FACTORS)
-  return _fold_vmap(op, num_outputs=2)
+    op.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                     sharding_rule=_FWD_RULE, need_replication_factors=_REPLICATED_FACTORS)
+    return _fold_vmap(op, num_outputs=2)
 
 
 def make_backward(local_bwd: Callable, scale: float, d_v: int, impl: str):
-  """Partitioned, vmappable backward:
-  (q, kv, idx, topk_length, sink, o, lse, do, dlse) -> (dq, dkv fp32, dsink [B, H])."""
+    """Partitioned, vmappable backward:
+    (q, kv, idx, topk_length, sink, o, lse, do, dlse) -> (dq, dkv fp32, dsink [B, H])."""
 
-  def body(*args):
-    return local_bwd(*args, scale=scale, d_v=d_v, impl=impl)
+    def body(*args):
+        return local_bwd(*args, scale=scale, d_v=d_v, impl=impl)
 
-  op = custom_partitioning(body)
+    op = custom_partitioning(body)
 
-  def infer(mesh, arg_shapes, result_shape):
-    _, outs = _bwd_specs(*_q_layout(arg_shapes))
-    return _named(mesh, outs)
+    def infer(mesh, arg_shapes, result_shape):
+        _, outs = _bwd_specs(*_q_layout(arg_shapes))
+        return _named(mesh, outs)
 
-  def partition(mesh, arg_shapes, result_shape):
-    b, t, h = _q_layout(arg_shapes)
-    args, outs = _bwd_specs(b, t, h)
+    def partition(mesh, arg_shapes, result_shape):
+        b, t, h = _q_layout(arg_shapes)
+        args, outs = _bwd_specs(b, t, h)
 
-    def lower(*shard_args):
-      dq, dkv, dsink = body(*shard_args)
-      # Partial sums: every token/head shard scattered into its own copy of dkv.
-      kv_reduce = _axes(t) + _axes(h)
-      if kv_reduce:
-        dkv = jax.lax.psum(dkv, kv_reduce)
-      if _axes(t):
-        dsink = jax.lax.psum(dsink, _axes(t))
-      return dq, dkv, dsink
+        def lower(*shard_args):
+            dq, dkv, dsink = body(*shard_args)
+            # Partial sums: every token/head shard scattered into its own copy of dkv.
+            kv_reduce = _axes(t) + _axes(h)
+            if kv_reduce:
+                dkv = jax.lax.psum(dkv, kv_reduce)
+            if _axes(t):
+                dsink = jax.lax.psum(dsink, _axes(t))
+            return dq, dkv, dsink
 
-    return mesh, lower, _named(mesh, outs), _named(mesh, args)
+        return mesh, lower, _named(mesh, outs), _named(mesh, args)
 
-  op.def_partition(partition=partition, infer_sharding_from_operands=infer,
-                   sharding_rule=_BWD_RULE, need_replication_factors=_REPLICATED_FACTORS)
-  return _fold_vmap(op, num_outputs=3)
+    op.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                     sharding_rule=_BWD_RULE, need_replication_factors=_REPLICATED_FACTORS)
+    return _fold_vmap(op, num_outputs=3)

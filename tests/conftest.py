@@ -9,20 +9,20 @@ import pytest  # noqa: E402
 
 
 def _has_gpu() -> bool:
-  try:
-    return bool(jax.devices("cuda"))
-  except RuntimeError:
-    return False
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
 
 
 def pytest_configure(config):
-  config.addinivalue_line("markers", "gpu: needs a CUDA GPU (Hopper for the kernels); skipped elsewhere")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (Hopper for the kernels); skipped elsewhere")
 
 
 def pytest_collection_modifyitems(config, items):
-  if _has_gpu():
-    return
-  skip = pytest.mark.skip(reason="no CUDA GPU visible to JAX")
-  for item in items:
-    if "gpu" in item.keywords:
-      item.add_marker(skip)
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="no CUDA GPU visible to JAX")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

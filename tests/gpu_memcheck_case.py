@@ -20,17 +20,17 @@ import jax_dsa  # noqa: E402
 
 rng = np.random.default_rng(0)
 for h, d in ((3, 576), (17, 512), (29, 512), (100, 576)):  # 29: NP 32, two consumers
-  b, t, s, k = 2, 5, 37, 70
-  q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16)
-  kv = jnp.asarray(rng.standard_normal((b, s, d)), jnp.bfloat16)
-  idx = rng.integers(-40, 80, (b, t, k)).astype(np.int32)  # many < 0 and >= S
-  idx[0, 0] = -1
-  tl = rng.integers(0, k + 1, (b, t)).astype(np.int32)
-  o, lse = jax_dsa.sparse_mla(q, kv, jnp.asarray(idx), topk_length=jnp.asarray(tl),
-                              sink=jnp.zeros(h), return_lse=True, implementation="cute")
-  jax.block_until_ready((o, lse))
-  assert not np.isnan(np.asarray(o, np.float32)).any()
-  print(f"H={h} Dqk={d}: ok")
+    b, t, s, k = 2, 5, 37, 70
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((b, s, d)), jnp.bfloat16)
+    idx = rng.integers(-40, 80, (b, t, k)).astype(np.int32)  # many < 0 and >= S
+    idx[0, 0] = -1
+    tl = rng.integers(0, k + 1, (b, t)).astype(np.int32)
+    o, lse = jax_dsa.sparse_mla(q, kv, jnp.asarray(idx), topk_length=jnp.asarray(tl),
+                                sink=jnp.zeros(h), return_lse=True, implementation="cute")
+    jax.block_until_ready((o, lse))
+    assert not np.isnan(np.asarray(o, np.float32)).any()
+    print(f"H={h} Dqk={d}: ok")
 print("memcheck case done")
 
 # Backward through the kernels on the same kind of problem, atomic and deterministic; H = 32, 16
@@ -38,13 +38,13 @@ print("memcheck case done")
 for h, d, det, t in ((100, 576, False, 5), (100, 512, False, 5), (17, 512, False, 5),
                      (100, 576, True, 5), (3, 512, True, 5), (32, 576, False, 8),
                      (16, 512, False, 8), (8, 576, False, 8)):
-  q = jnp.asarray(rng.standard_normal((2, t, h, d)), jnp.bfloat16)
-  kv = jnp.asarray(rng.standard_normal((2, 37, d)), jnp.bfloat16)
-  idx = jnp.asarray(rng.integers(-40, 80, (2, t, 70)).astype(np.int32))
-  tl = jnp.asarray(rng.integers(0, 71, (2, t)).astype(np.int32))
-  grads = jax.grad(lambda q, kv: jnp.sum(jax_dsa.sparse_mla(
-      q, kv, idx, sink=jnp.zeros(h), topk_length=tl, implementation="cute",
-      deterministic=det).astype(jnp.float32) ** 2), argnums=(0, 1))(q, kv)
-  jax.block_until_ready(grads)
-  print(f"backward H={h} Dqk={d} deterministic={det}: ok")
+    q = jnp.asarray(rng.standard_normal((2, t, h, d)), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((2, 37, d)), jnp.bfloat16)
+    idx = jnp.asarray(rng.integers(-40, 80, (2, t, 70)).astype(np.int32))
+    tl = jnp.asarray(rng.integers(0, 71, (2, t)).astype(np.int32))
+    grads = jax.grad(lambda q, kv: jnp.sum(jax_dsa.sparse_mla(
+        q, kv, idx, sink=jnp.zeros(h), topk_length=tl, implementation="cute",
+        deterministic=det).astype(jnp.float32) ** 2), argnums=(0, 1))(q, kv)
+    jax.block_until_ready(grads)
+    print(f"backward H={h} Dqk={d} deterministic={det}: ok")
 print("backward memcheck case done")

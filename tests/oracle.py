@@ -1,4 +1,4 @@
-"""Independent float64 oracles for the tests, written from the math (DESIGN.md section 1).
+"""Independent float64 oracles for the tests, written from the math (docs/design.md, the contract).
 
 `numpy_forward` loops over tokens in NumPy. `dense_forward` is the same math as a dense
 softmax over all S rows of kv with per-row multiplicities (how often each row is listed), in
@@ -11,74 +11,74 @@ import numpy as np
 
 
 def valid_entries(idx, topk_length, s):
-  k = idx.shape[-1]
-  slot = np.arange(k)
-  return (idx >= 0) & (idx < s) & (slot < topk_length[..., None])
+    k = idx.shape[-1]
+    slot = np.arange(k)
+    return (idx >= 0) & (idx < s) & (slot < topk_length[..., None])
 
 
 def numpy_forward(q, kv, idx, topk_length, sink, scale, d_v):
-  """o [B, T, H, d_v] float64, lse [B, T, H] float64 by an explicit loop over tokens."""
-  q, kv = np.asarray(q, np.float64), np.asarray(kv, np.float64)
-  b_, t_, h_, _ = q.shape
-  s_ = kv.shape[1]
-  valid = valid_entries(np.asarray(idx), np.asarray(topk_length), s_)
-  o = np.zeros((b_, t_, h_, d_v))
-  lse = np.full((b_, t_, h_), -np.inf)
-  for b in range(b_):
-    for t in range(t_):
-      rows = kv[b, idx[b, t][valid[b, t]]]
-      if rows.shape[0] == 0:
-        continue
-      s = scale * q[b, t] @ rows.T  # [H, n]
-      m = s.max(axis=1, keepdims=True)
-      e = np.exp(s - m)
-      denom = e.sum(axis=1, keepdims=True)
-      lse[b, t] = (m + np.log(denom))[:, 0]
-      if sink is not None:
-        denom = denom + np.exp(np.asarray(sink, np.float64)[:, None] - m)
-      o[b, t] = (e / denom) @ rows[:, :d_v]
-  return o, lse
+    """o [B, T, H, d_v] float64, lse [B, T, H] float64 by an explicit loop over tokens."""
+    q, kv = np.asarray(q, np.float64), np.asarray(kv, np.float64)
+    b_, t_, h_, _ = q.shape
+    s_ = kv.shape[1]
+    valid = valid_entries(np.asarray(idx), np.asarray(topk_length), s_)
+    o = np.zeros((b_, t_, h_, d_v))
+    lse = np.full((b_, t_, h_), -np.inf)
+    for b in range(b_):
+        for t in range(t_):
+            rows = kv[b, idx[b, t][valid[b, t]]]
+            if rows.shape[0] == 0:
+                continue
+            s = scale * q[b, t] @ rows.T  # [H, n]
+            m = s.max(axis=1, keepdims=True)
+            e = np.exp(s - m)
+            denom = e.sum(axis=1, keepdims=True)
+            lse[b, t] = (m + np.log(denom))[:, 0]
+            if sink is not None:
+                denom = denom + np.exp(np.asarray(sink, np.float64)[:, None] - m)
+            o[b, t] = (e / denom) @ rows[:, :d_v]
+    return o, lse
 
 
 def multiplicity(idx, topk_length, s):
-  """[B, T, S] float64: how many valid slots of token t name each row of kv."""
-  valid = valid_entries(np.asarray(idx), np.asarray(topk_length), s)
-  b_, t_, _ = idx.shape
-  counts = np.zeros((b_, t_, s))
-  bb, tt, _ = np.nonzero(valid)
-  np.add.at(counts, (bb, tt, np.asarray(idx)[valid]), 1.0)
-  return counts
+    """[B, T, S] float64: how many valid slots of token t name each row of kv."""
+    valid = valid_entries(np.asarray(idx), np.asarray(topk_length), s)
+    b_, t_, _ = idx.shape
+    counts = np.zeros((b_, t_, s))
+    bb, tt, _ = np.nonzero(valid)
+    np.add.at(counts, (bb, tt, np.asarray(idx)[valid]), 1.0)
+    return counts
 
 
 def dense_forward(q, kv, counts, sink, scale, d_v):
-  """Differentiable float64 o, lse over all rows, each weighted by its multiplicity."""
-  s = scale * jnp.einsum("bthd,bsd->bths", q, kv)
-  present = counts[:, :, None, :] > 0
-  live = jnp.any(present, axis=-1)
-  m = jnp.max(jnp.where(present, s, -jnp.inf), axis=-1)
-  m = jax.lax.stop_gradient(jnp.where(live, m, 0.0))
-  w = counts[:, :, None, :] * jnp.exp(jnp.where(present, s, 0.0) - m[..., None])
-  w = jnp.where(present, w, 0.0)
-  l = jnp.sum(w, axis=-1)
-  denom = l if sink is None else l + jnp.exp(sink[None, None, :] - m)
-  o = jnp.einsum("bths,bsd->bthd", w, kv[..., :d_v]) / jnp.where(live | (sink is not None),
-                                                                  denom, 1.0)[..., None]
-  lse = jnp.where(live, m + jnp.log(jnp.where(live, l, 1.0)), -jnp.inf)
-  return o, lse
+    """Differentiable float64 o, lse over all rows, each weighted by its multiplicity."""
+    s = scale * jnp.einsum("bthd,bsd->bths", q, kv)
+    present = counts[:, :, None, :] > 0
+    live = jnp.any(present, axis=-1)
+    m = jnp.max(jnp.where(present, s, -jnp.inf), axis=-1)
+    m = jax.lax.stop_gradient(jnp.where(live, m, 0.0))
+    w = counts[:, :, None, :] * jnp.exp(jnp.where(present, s, 0.0) - m[..., None])
+    w = jnp.where(present, w, 0.0)
+    l = jnp.sum(w, axis=-1)
+    denom = l if sink is None else l + jnp.exp(sink[None, None, :] - m)
+    o = jnp.einsum("bths,bsd->bthd", w, kv[..., :d_v]) / jnp.where(live | (sink is not None),
+                                                                    denom, 1.0)[..., None]
+    lse = jnp.where(live, m + jnp.log(jnp.where(live, l, 1.0)), -jnp.inf)
+    return o, lse
 
 
 def dense_grads(q, kv, idx, topk_length, sink, scale, d_v, w_o, w_lse):
-  """float64 gradients of sum(o * w_o) + sum(finite lse * w_lse) w.r.t. q, kv (and sink)."""
-  counts = multiplicity(idx, topk_length, kv.shape[1])
-  with jax.enable_x64(True):
-    args = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, kv)]
-    if sink is not None:
-      args.append(jnp.asarray(np.asarray(sink, np.float64)))
-    wo, wl, c = (jnp.asarray(np.asarray(x, np.float64)) for x in (w_o, w_lse, counts))
+    """float64 gradients of sum(o * w_o) + sum(finite lse * w_lse) w.r.t. q, kv (and sink)."""
+    counts = multiplicity(idx, topk_length, kv.shape[1])
+    with jax.enable_x64(True):
+        args = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, kv)]
+        if sink is not None:
+            args.append(jnp.asarray(np.asarray(sink, np.float64)))
+        wo, wl, c = (jnp.asarray(np.asarray(x, np.float64)) for x in (w_o, w_lse, counts))
 
-    def loss(*a):
-      o, lse = dense_forward(a[0], a[1], c, a[2] if sink is not None else None, scale, d_v)
-      return jnp.sum(o * wo) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * wl)
+        def loss(*a):
+            o, lse = dense_forward(a[0], a[1], c, a[2] if sink is not None else None, scale, d_v)
+            return jnp.sum(o * wo) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * wl)
 
-    grads = jax.grad(loss, argnums=tuple(range(len(args))))(*args)
-    return [np.asarray(g) for g in grads]
+        grads = jax.grad(loss, argnums=tuple(range(len(args))))(*args)
+        return [np.asarray(g) for g in grads]

@@ -11,12 +11,12 @@ import train_flax  # noqa: E402
 
 
 def test_quickstart_matches_reference():
-  err_o, err_lse = quickstart.main(["--tokens", "64", "--heads", "4", "--repeats", "2"])
-  assert err_o < 5e-2 and err_lse < 1e-3
+    err_o, err_lse = quickstart.main(["--tokens", "64", "--heads", "4", "--repeats", "2"])
+    assert err_o < 5e-2 and err_lse < 1e-3
 
 
 def test_training_loss_goes_down_and_jit_equals_shard_map():
-  jit_losses = train_flax.train("jit", steps=5, verbose=False)
-  sm_losses = train_flax.train("shard_map", steps=5, verbose=False)
-  assert jit_losses[-1] < 0.7 * jit_losses[0]
-  np.testing.assert_allclose(jit_losses, sm_losses, rtol=1e-4)
+    jit_losses = train_flax.train("jit", steps=5, verbose=False)
+    sm_losses = train_flax.train("shard_map", steps=5, verbose=False)
+    assert jit_losses[-1] < 0.7 * jit_losses[0]
+    np.testing.assert_allclose(jit_losses, sm_losses, rtol=1e-4)

@@ -40,48 +40,48 @@ CASES = [
 
 
 def _kernel_or_skip():
-  problem = api.kernel_runtime_problem()
-  if problem:
-    pytest.skip(problem)
+    problem = api.kernel_runtime_problem()
+    if problem:
+        pytest.skip(problem)
 
 
 def _run_kernel(p, dtype, scale=None, kernel=None):
-  """The kernel (default: the one jax_dsa.cute.select picks) through the FFI with poisoned
-  outputs: (q, kv, o, lse) on the device."""
-  from jax_dsa.cute import config, ffi
-  q, kv = jnp.asarray(p.q, dtype), jnp.asarray(p.kv, dtype)
-  sink = np.full(p.q.shape[2], -np.inf, np.float32) if p.sink is None else p.sink
-  scale = p.scale if scale is None else scale
-  kernel = kernel or config.select_fwd(p.q.shape[2]).kernel
-  fwd = jax.jit(functools.partial(ffi.sparse_mla_fwd, scale=scale, kernel=kernel,
-                                  poison_outputs=True))
-  o, lse = fwd(q, kv, jnp.asarray(p.idx), jnp.asarray(p.lengths), jnp.asarray(sink))
-  return q, kv, o, lse
+    """The kernel (default: the one jax_dsa.cute.select picks) through the FFI with poisoned
+    outputs: (q, kv, o, lse) on the device."""
+    from jax_dsa.cute import config, ffi
+    q, kv = jnp.asarray(p.q, dtype), jnp.asarray(p.kv, dtype)
+    sink = np.full(p.q.shape[2], -np.inf, np.float32) if p.sink is None else p.sink
+    scale = p.scale if scale is None else scale
+    kernel = kernel or config.select_fwd(p.q.shape[2]).kernel
+    fwd = jax.jit(functools.partial(ffi.sparse_mla_fwd, scale=scale, kernel=kernel,
+                                    poison_outputs=True))
+    o, lse = fwd(q, kv, jnp.asarray(p.idx), jnp.asarray(p.lengths), jnp.asarray(sink))
+    return q, kv, o, lse
 
 
 def _assert_matches_oracle(p, q, kv, o, lse, scale):
-  """o / lse against the float64 oracle on the same (rounded) q / kv: nothing unwritten or
-  NaN, dead rows exactly (o = 0, lse = -inf), o within 1e-2 relative, lse within 2e-3."""
-  o_ref, lse_ref = oracle.numpy_forward(np.asarray(q, np.float32), np.asarray(kv, np.float32),
-                                        p.idx, p.lengths, p.sink, scale, 512)
-  o, lse = np.asarray(o, np.float32), np.asarray(lse)
-  assert not np.isnan(o).any() and not np.isnan(lse).any(), "unwritten or NaN outputs"
-  dead = np.isneginf(lse_ref)
-  np.testing.assert_array_equal(np.isneginf(lse), dead)
-  assert np.all(o[dead] == 0.0)
-  assert rel_err(o, o_ref) < 1e-2, rel_err(o, o_ref)
-  assert np.max(np.abs(lse[~dead] - lse_ref[~dead]), initial=0.0) < 2e-3 * max(
-      1.0, np.max(np.abs(lse_ref[~dead]), initial=0.0))
+    """o / lse against the float64 oracle on the same (rounded) q / kv: nothing unwritten or
+    NaN, dead rows exactly (o = 0, lse = -inf), o within 1e-2 relative, lse within 2e-3."""
+    o_ref, lse_ref = oracle.numpy_forward(np.asarray(q, np.float32), np.asarray(kv, np.float32),
+                                          p.idx, p.lengths, p.sink, scale, 512)
+    o, lse = np.asarray(o, np.float32), np.asarray(lse)
+    assert not np.isnan(o).any() and not np.isnan(lse).any(), "unwritten or NaN outputs"
+    dead = np.isneginf(lse_ref)
+    np.testing.assert_array_equal(np.isneginf(lse), dead)
+    assert np.all(o[dead] == 0.0)
+    assert rel_err(o, o_ref) < 1e-2, rel_err(o, o_ref)
+    assert np.max(np.abs(lse[~dead] - lse_ref[~dead]), initial=0.0) < 2e-3 * max(
+        1.0, np.max(np.abs(lse_ref[~dead]), initial=0.0))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}H{}D{}S{}K{}{}-{}".format(
     *c[:6], "-sink" if c[6] else "", c[7]))
 def test_forward_kernel_matches_oracle(case):
-  _kernel_or_skip()
-  b, t, h, d, s, k, sink, topk = case
-  p = make_problem(np.random.default_rng(zlib.crc32(repr(case).encode())), b, t, h, d, s, k,
-                   sink=sink, topk=topk)
-  _assert_matches_oracle(p, *_run_kernel(p, jnp.bfloat16), p.scale)
+    _kernel_or_skip()
+    b, t, h, d, s, k, sink, topk = case
+    p = make_problem(np.random.default_rng(zlib.crc32(repr(case).encode())), b, t, h, d, s, k,
+                     sink=sink, topk=topk)
+    _assert_matches_oracle(p, *_run_kernel(p, jnp.bfloat16), p.scale)
 
 
 # H <= 32 can run either forward kernel: both, in one process, through the public config=.
@@ -92,121 +92,121 @@ SMALL_H_CASES = [(2, 8, 8, 576, 2000, 63, True, "partial"), (1, 16, 32, 512, 409
 
 @pytest.mark.parametrize("case", SMALL_H_CASES, ids=lambda c: "B{}T{}H{}D{}S{}K{}".format(*c[:6]))
 def test_both_forward_kernels_at_small_h_through_config(case):
-  _kernel_or_skip()
-  from jax_dsa.cute import Config, FwdConfig
-  b, t, h, d, s, k, sink, topk = case
-  p = make_problem(np.random.default_rng(zlib.crc32(repr(case).encode())), b, t, h, d, s, k,
-                   sink=sink, topk=topk)
-  q, kv = jnp.asarray(p.q, jnp.bfloat16), jnp.asarray(p.kv, jnp.bfloat16)
-  outs = {}
-  for kernel in ("small_heads", "pingpong"):
-    sink_arg = None if p.sink is None else jnp.asarray(p.sink)
-    f = jax.jit(functools.partial(jax_dsa.sparse_mla, sink=sink_arg,
-                                  topk_length=None if p.topk_length is None else jnp.asarray(
-                                      p.topk_length), return_lse=True,
-                                  implementation="cute", config=Config(fwd=FwdConfig(kernel))))
-    o, lse = f(q, kv, jnp.asarray(p.idx))
-    _assert_matches_oracle(p, q, kv, o, lse, p.scale)
-    outs[kernel] = np.asarray(o, np.float32)
-  assert rel_err(outs["small_heads"], outs["pingpong"]) < 1e-2
+    _kernel_or_skip()
+    from jax_dsa.cute import Config, FwdConfig
+    b, t, h, d, s, k, sink, topk = case
+    p = make_problem(np.random.default_rng(zlib.crc32(repr(case).encode())), b, t, h, d, s, k,
+                     sink=sink, topk=topk)
+    q, kv = jnp.asarray(p.q, jnp.bfloat16), jnp.asarray(p.kv, jnp.bfloat16)
+    outs = {}
+    for kernel in ("small_heads", "pingpong"):
+        sink_arg = None if p.sink is None else jnp.asarray(p.sink)
+        f = jax.jit(functools.partial(jax_dsa.sparse_mla, sink=sink_arg,
+                                      topk_length=None if p.topk_length is None else jnp.asarray(
+                                          p.topk_length), return_lse=True,
+                                      implementation="cute", config=Config(fwd=FwdConfig(kernel))))
+        o, lse = f(q, kv, jnp.asarray(p.idx))
+        _assert_matches_oracle(p, q, kv, o, lse, p.scale)
+        outs[kernel] = np.asarray(o, np.float32)
+    assert rel_err(outs["small_heads"], outs["pingpong"]) < 1e-2
 
 
 def test_small_heads_config_refuses_large_h():
-  _kernel_or_skip()
-  from jax_dsa.cute import Config, FwdConfig
-  q = jnp.zeros((1, 2, 64, 512), jnp.bfloat16)
-  kv = jnp.zeros((1, 8, 512), jnp.bfloat16)
-  with pytest.raises(ValueError, match="small_heads"):
-    jax_dsa.sparse_mla(q, kv, jnp.zeros((1, 2, 4), jnp.int32), implementation="cute",
-                       config=Config(fwd=FwdConfig("small_heads")))
+    _kernel_or_skip()
+    from jax_dsa.cute import Config, FwdConfig
+    q = jnp.zeros((1, 2, 64, 512), jnp.bfloat16)
+    kv = jnp.zeros((1, 8, 512), jnp.bfloat16)
+    with pytest.raises(ValueError, match="small_heads"):
+        jax_dsa.sparse_mla(q, kv, jnp.zeros((1, 2, 4), jnp.int32), implementation="cute",
+                           config=Config(fwd=FwdConfig("small_heads")))
 
 
 @pytest.mark.parametrize("h,d", [(16, 512), (64, 512), (128, 576)])
 def test_running_max_that_jumps_between_blocks(h, d):
-  """Scores whose scale grows (or shrinks) by ~30 log2 units along each token's entry list, so
-  the online softmax must move its running max many times in one token (and, in reverse
-  order, never): exercises the O / row-sum rescaling that random normal inputs barely touch."""
-  _kernel_or_skip()
-  rng = np.random.default_rng(h * 1000 + d)
-  t, s, k = 24, 4096, 640
-  p = make_problem(rng, 1, t, h, d, s, k, sink=True, topk="partial", dead_row=False)
-  row_scale = np.geomspace(0.25, 16.0, s).astype(np.float32)
-  p.kv *= row_scale[None, :, None]
-  idx = np.sort(rng.choice(s, size=(t, k)), axis=-1)  # ascending: the scores grow
-  idx[1::2] = idx[1::2, ::-1]  # descending on odd tokens: the first block holds the max
-  p.idx = idx[None].astype(np.int32)
-  q, kv, o, lse = _run_kernel(p, jnp.bfloat16)
-  o_ref, lse_ref = oracle.numpy_forward(np.asarray(q, np.float32), np.asarray(kv, np.float32),
-                                        p.idx, p.lengths, p.sink, p.scale, 512)
-  o, lse = np.asarray(o, np.float32), np.asarray(lse)
-  assert not np.isnan(o).any() and not np.isnan(lse).any(), "unwritten or NaN outputs"
-  live = ~np.isneginf(lse_ref)
-  assert np.ptp(lse_ref[live]) > 10.0, "the problem does not spread the scores"
-  np.testing.assert_array_equal(np.isneginf(lse), ~live)
-  assert rel_err(o, o_ref) < 1e-2, rel_err(o, o_ref)
-  assert np.max(np.abs(lse[live] - lse_ref[live])) < 2e-3 * np.max(np.abs(lse_ref[live]))
+    """Scores whose scale grows (or shrinks) by ~30 log2 units along each token's entry list, so
+    the online softmax must move its running max many times in one token (and, in reverse
+    order, never): exercises the O / row-sum rescaling that random normal inputs barely touch."""
+    _kernel_or_skip()
+    rng = np.random.default_rng(h * 1000 + d)
+    t, s, k = 24, 4096, 640
+    p = make_problem(rng, 1, t, h, d, s, k, sink=True, topk="partial", dead_row=False)
+    row_scale = np.geomspace(0.25, 16.0, s).astype(np.float32)
+    p.kv *= row_scale[None, :, None]
+    idx = np.sort(rng.choice(s, size=(t, k)), axis=-1)  # ascending: the scores grow
+    idx[1::2] = idx[1::2, ::-1]  # descending on odd tokens: the first block holds the max
+    p.idx = idx[None].astype(np.int32)
+    q, kv, o, lse = _run_kernel(p, jnp.bfloat16)
+    o_ref, lse_ref = oracle.numpy_forward(np.asarray(q, np.float32), np.asarray(kv, np.float32),
+                                          p.idx, p.lengths, p.sink, p.scale, 512)
+    o, lse = np.asarray(o, np.float32), np.asarray(lse)
+    assert not np.isnan(o).any() and not np.isnan(lse).any(), "unwritten or NaN outputs"
+    live = ~np.isneginf(lse_ref)
+    assert np.ptp(lse_ref[live]) > 10.0, "the problem does not spread the scores"
+    np.testing.assert_array_equal(np.isneginf(lse), ~live)
+    assert rel_err(o, o_ref) < 1e-2, rel_err(o, o_ref)
+    assert np.max(np.abs(lse[live] - lse_ref[live])) < 2e-3 * np.max(np.abs(lse_ref[live]))
 
 
 @pytest.mark.parametrize("h,d,scale", [(16, 512, 0.0), (64, 576, -0.04), (128, 512, 0.0),
                                        (100, 512, -0.02)])
 def test_zero_and_negative_scale(h, d, scale):
-  """scale <= 0 with invalid entries: a kernel that masks before scaling gets -inf * 0 = NaN or
-  -inf * (-c) = +inf for the masked scores. (scale 0: uniform weights over the valid entries.)"""
-  _kernel_or_skip()
-  p = make_problem(np.random.default_rng(h + d), 1, 12, h, d, 3000, 640, sink=True,
-                   topk="partial")
-  _assert_matches_oracle(p, *_run_kernel(p, jnp.bfloat16, scale=scale), scale)
+    """scale <= 0 with invalid entries: a kernel that masks before scaling gets -inf * 0 = NaN or
+    -inf * (-c) = +inf for the masked scores. (scale 0: uniform weights over the valid entries.)"""
+    _kernel_or_skip()
+    p = make_problem(np.random.default_rng(h + d), 1, 12, h, d, 3000, 640, sink=True,
+                     topk="partial")
+    _assert_matches_oracle(p, *_run_kernel(p, jnp.bfloat16, scale=scale), scale)
 
 
 def test_float16_and_default_dispatch_use_the_kernel():
-  _kernel_or_skip()
-  p = make_problem(np.random.default_rng(1), 2, 8, 16, 576, 800, 640, sink=True, topk="partial")
-  q, kv, o, lse = _run_kernel(p, jnp.float16)
-  o_ref, _ = oracle.numpy_forward(np.asarray(q, np.float32), np.asarray(kv, np.float32),
-                                  p.idx, p.lengths, p.sink, p.scale, 512)
-  assert o.dtype == jnp.float16 and rel_err(o, o_ref) < 1e-2
-  o_api = jax_dsa.sparse_mla(q, kv, jnp.asarray(p.idx), sink=jnp.asarray(p.sink),
-                             topk_length=jnp.asarray(p.topk_length), implementation="cute")
-  np.testing.assert_array_equal(np.asarray(o_api), np.asarray(o))
-  text = jax.jit(lambda q, kv: jax_dsa.sparse_mla(q, kv, jnp.asarray(p.idx))).lower(
-      q, kv).as_text()
-  assert "jax_dsa_sparse_mla_fwd_sm90" in text, "implementation=None did not pick the kernel"
+    _kernel_or_skip()
+    p = make_problem(np.random.default_rng(1), 2, 8, 16, 576, 800, 640, sink=True, topk="partial")
+    q, kv, o, lse = _run_kernel(p, jnp.float16)
+    o_ref, _ = oracle.numpy_forward(np.asarray(q, np.float32), np.asarray(kv, np.float32),
+                                    p.idx, p.lengths, p.sink, p.scale, 512)
+    assert o.dtype == jnp.float16 and rel_err(o, o_ref) < 1e-2
+    o_api = jax_dsa.sparse_mla(q, kv, jnp.asarray(p.idx), sink=jnp.asarray(p.sink),
+                               topk_length=jnp.asarray(p.topk_length), implementation="cute")
+    np.testing.assert_array_equal(np.asarray(o_api), np.asarray(o))
+    text = jax.jit(lambda q, kv: jax_dsa.sparse_mla(q, kv, jnp.asarray(p.idx))).lower(
+        q, kv).as_text()
+    assert "jax_dsa_sparse_mla_fwd_sm90" in text, "implementation=None did not pick the kernel"
 
 
 def test_repeated_runs_are_bitwise_identical():
-  _kernel_or_skip()
-  p = make_problem(np.random.default_rng(2), 1, 64, 64, 512, 4096, 640, sink=True,
-                   topk="partial")
-  outs = [_run_kernel(p, jnp.bfloat16)[2:] for _ in range(3)]
-  for o, lse in outs[1:]:
-    np.testing.assert_array_equal(np.asarray(o), np.asarray(outs[0][0]))
-    np.testing.assert_array_equal(np.asarray(lse), np.asarray(outs[0][1]))
+    _kernel_or_skip()
+    p = make_problem(np.random.default_rng(2), 1, 64, 64, 512, 4096, 640, sink=True,
+                     topk="partial")
+    outs = [_run_kernel(p, jnp.bfloat16)[2:] for _ in range(3)]
+    for o, lse in outs[1:]:
+        np.testing.assert_array_equal(np.asarray(o), np.asarray(outs[0][0]))
+        np.testing.assert_array_equal(np.asarray(lse), np.asarray(outs[0][1]))
 
 
 def test_million_tokens_and_64bit_row_addressing():
-  """T = 2^20 + 3 (grid limits) and kv with more than 2^31 elements (64-bit offsets).
+    """T = 2^20 + 3 (grid limits) and kv with more than 2^31 elements (64-bit offsets).
 
-  With one valid entry and no sink, o is that row's first 512 values exactly and lse = s.
-  """
-  _kernel_or_skip()
-  rng = np.random.default_rng(3)
-  t = (1 << 20) + 3
-  q = jnp.asarray(rng.standard_normal((1, t, 2, 512), np.float32), jnp.bfloat16)
-  kv = jnp.asarray(rng.standard_normal((1, 4096, 512), np.float32), jnp.bfloat16)
-  idx = jnp.asarray(rng.integers(0, 4096, (1, t, 1)), jnp.int32)
-  o = jax_dsa.sparse_mla(q, kv, idx, implementation="cute")
-  np.testing.assert_array_equal(np.asarray(o[0, :, 0]), np.asarray(kv[0, idx[0, :, 0], :512]))
-  np.testing.assert_array_equal(np.asarray(o[0, :, 1]), np.asarray(kv[0, idx[0, :, 0], :512]))
-  del q, kv, o
+    With one valid entry and no sink, o is that row's first 512 values exactly and lse = s.
+    """
+    _kernel_or_skip()
+    rng = np.random.default_rng(3)
+    t = (1 << 20) + 3
+    q = jnp.asarray(rng.standard_normal((1, t, 2, 512), np.float32), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((1, 4096, 512), np.float32), jnp.bfloat16)
+    idx = jnp.asarray(rng.integers(0, 4096, (1, t, 1)), jnp.int32)
+    o = jax_dsa.sparse_mla(q, kv, idx, implementation="cute")
+    np.testing.assert_array_equal(np.asarray(o[0, :, 0]), np.asarray(kv[0, idx[0, :, 0], :512]))
+    np.testing.assert_array_equal(np.asarray(o[0, :, 1]), np.asarray(kv[0, idx[0, :, 0], :512]))
+    del q, kv, o
 
-  s = (1 << 22) + 7  # 2^22 rows * 576 > 2^31 elements
-  kv = jnp.asarray(rng.standard_normal((1, 1024, 576), np.float32), jnp.bfloat16)
-  kv = jnp.tile(kv, (1, s // 1024 + 1, 1))[:, :s]
-  rows = jnp.asarray([[[s - 1], [s - 2], [5], [s - 1025]]], jnp.int32)
-  q = jnp.asarray(rng.standard_normal((1, 4, 3, 576), np.float32), jnp.bfloat16)
-  o, lse = jax_dsa.sparse_mla(q, kv, rows, return_lse=True, implementation="cute")
-  want = np.asarray(kv[0, rows[0, :, 0], :512])
-  np.testing.assert_array_equal(np.asarray(o[0, :, 1]), want)
-  s_exp = np.einsum("thd,td->th", np.asarray(q[0], np.float32),
-                    np.asarray(kv[0, rows[0, :, 0]], np.float32)) * 576 ** -0.5
-  np.testing.assert_allclose(np.asarray(lse[0]), s_exp, rtol=1e-3, atol=1e-3)
+    s = (1 << 22) + 7  # 2^22 rows * 576 > 2^31 elements
+    kv = jnp.asarray(rng.standard_normal((1, 1024, 576), np.float32), jnp.bfloat16)
+    kv = jnp.tile(kv, (1, s // 1024 + 1, 1))[:, :s]
+    rows = jnp.asarray([[[s - 1], [s - 2], [5], [s - 1025]]], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((1, 4, 3, 576), np.float32), jnp.bfloat16)
+    o, lse = jax_dsa.sparse_mla(q, kv, rows, return_lse=True, implementation="cute")
+    want = np.asarray(kv[0, rows[0, :, 0], :512])
+    np.testing.assert_array_equal(np.asarray(o[0, :, 1]), want)
+    s_exp = np.einsum("thd,td->th", np.asarray(q[0], np.float32),
+                      np.asarray(kv[0, rows[0, :, 0]], np.float32)) * 576 ** -0.5
+    np.testing.assert_allclose(np.asarray(lse[0]), s_exp, rtol=1e-3, atol=1e-3)

@@ -34,35 +34,35 @@ CASES = [
 
 
 def _lists(rng, b, t, k, s, kind):
-  if kind == "benchmark":
-    tok = np.arange(t)[:, None] + 1000
-    window = tok - 127 + np.arange(128)[None, :]
-    picks = np.stack([rng.choice(s, k - 128, replace=False) for _ in range(t)])
-    idx = np.concatenate([window, picks], axis=1)[None].repeat(b, axis=0)
-    lengths = np.full((b, t), k)
-  else:
-    idx = rng.integers(-3, s + 3, (b, t, k))  # includes -1.. and >= S: not used
-    lengths = rng.integers(-1, k + 2, (b, t))  # includes < 1 and > K
-  return jnp.asarray(idx, jnp.int32), jnp.asarray(lengths, jnp.int32)
+    if kind == "benchmark":
+        tok = np.arange(t)[:, None] + 1000
+        window = tok - 127 + np.arange(128)[None, :]
+        picks = np.stack([rng.choice(s, k - 128, replace=False) for _ in range(t)])
+        idx = np.concatenate([window, picks], axis=1)[None].repeat(b, axis=0)
+        lengths = np.full((b, t), k)
+    else:
+        idx = rng.integers(-3, s + 3, (b, t, k))  # includes -1.. and >= S: not used
+        lengths = rng.integers(-1, k + 2, (b, t))  # includes < 1 and > K
+    return jnp.asarray(idx, jnp.int32), jnp.asarray(lengths, jnp.int32)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_union_kernel_matches_group_lists(case):
-  problem = api.kernel_runtime_problem()
-  if problem:
-    pytest.skip(problem)
-  if not ffi.has_group_union():
-    pytest.skip("the library was built without the list-union kernels")
-  b, t, k, s, group, kind = case
-  rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
-  idx, lengths = _lists(rng, b, t, k, s, kind)
-  rows, member, want_length = group_lists(idx, lengths, s, group)
-  want = np.asarray(pack_entries(rows, member))
-  got, got_length = map(np.asarray, ffi.group_union(idx, lengths, s, group))
-  np.testing.assert_array_equal(got_length, np.asarray(want_length))
-  assert got_length.max() > 0
-  for bi in range(b):
-    for gi in range(t // group):
-      n = got_length[bi, gi]
-      np.testing.assert_array_equal(np.sort(got[bi, gi, :n]), np.sort(want[bi, gi, :n]))
-      assert np.all(got[bi, gi, n:] == -1)
+    problem = api.kernel_runtime_problem()
+    if problem:
+        pytest.skip(problem)
+    if not ffi.has_group_union():
+        pytest.skip("the library was built without the list-union kernels")
+    b, t, k, s, group, kind = case
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+    idx, lengths = _lists(rng, b, t, k, s, kind)
+    rows, member, want_length = group_lists(idx, lengths, s, group)
+    want = np.asarray(pack_entries(rows, member))
+    got, got_length = map(np.asarray, ffi.group_union(idx, lengths, s, group))
+    np.testing.assert_array_equal(got_length, np.asarray(want_length))
+    assert got_length.max() > 0
+    for bi in range(b):
+        for gi in range(t // group):
+            n = got_length[bi, gi]
+            np.testing.assert_array_equal(np.sort(got[bi, gi, :n]), np.sort(want[bi, gi, :n]))
+            assert np.all(got[bi, gi, n:] == -1)

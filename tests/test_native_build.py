@@ -14,40 +14,40 @@ needs_lib = pytest.mark.skipif(
 
 
 def test_import_and_is_available_never_raise():
-  assert isinstance(_native.is_available(), bool)
+    assert isinstance(_native.is_available(), bool)
 
 
 @needs_lib
 def test_library_loads_and_exports_handlers():
-  assert _native.is_available()
-  lib = ctypes.CDLL(_native.LIB_PATH)
-  for sym in ("JaxDsaSparseMlaFwdSm90", "JaxDsaInit", "JaxDsaSparseMlaBwdSm90",
-              "JaxDsaSparseMlaBwdDeterministicSm90", "JaxDsaBwdInit", "JaxDsaBwdNumKernels",
-              "JaxDsaGroupUnionSm90", "JaxDsaGroupUnionInit", "JaxDsaGroupUnionNumKernels",
-              "JaxDsaSparseMlaBwdGroupedSm90"):
-    assert getattr(lib, sym) is not None
-  assert _native.has_backward()
-  lib.JaxDsaBwdNumKernels.restype = ctypes.c_int
-  assert lib.JaxDsaBwdNumKernels() == 20  # plain, deterministic, 3 grouped x 4 specs
-  # The default build has the list-union kernels (G = 2, 4, 8, each with 3 table sizes) that the
-  # grouped backward needs; without them H = 32 / 16 / 8 would silently run the slower plain kernel.
-  assert _native.has_group_union()
-  lib.JaxDsaGroupUnionNumKernels.restype = ctypes.c_int
-  assert lib.JaxDsaGroupUnionNumKernels() == 9
+    assert _native.is_available()
+    lib = ctypes.CDLL(_native.LIB_PATH)
+    for sym in ("JaxDsaSparseMlaFwdSm90", "JaxDsaInit", "JaxDsaSparseMlaBwdSm90",
+                "JaxDsaSparseMlaBwdDeterministicSm90", "JaxDsaBwdInit", "JaxDsaBwdNumKernels",
+                "JaxDsaGroupUnionSm90", "JaxDsaGroupUnionInit", "JaxDsaGroupUnionNumKernels",
+                "JaxDsaSparseMlaBwdGroupedSm90"):
+        assert getattr(lib, sym) is not None
+    assert _native.has_backward()
+    lib.JaxDsaBwdNumKernels.restype = ctypes.c_int
+    assert lib.JaxDsaBwdNumKernels() == 20  # plain, deterministic, 3 grouped x 4 specs
+    # The default build has the list-union kernels (G = 2, 4, 8, each with 3 table sizes) that the
+    # grouped backward needs; without them H = 32 / 16 / 8 would silently run the slower plain kernel.
+    assert _native.has_group_union()
+    lib.JaxDsaGroupUnionNumKernels.restype = ctypes.c_int
+    assert lib.JaxDsaGroupUnionNumKernels() == 9
 
 
 @needs_lib
 @pytest.mark.skipif(shutil.which("readelf") is None, reason="readelf not installed")
 def test_library_is_self_contained():
-  out = subprocess.run(["readelf", "-d", _native.LIB_PATH], capture_output=True, text=True,
-                       check=True).stdout
-  needed = [l.split("[")[1].rstrip("]") for l in out.splitlines() if "(NEEDED)" in l]
-  allowed = ("libc.so", "libstdc++.so", "libm.so", "libdl.so", "librt.so", "libpthread.so",
-             "ld-linux", "libcuda.so")
-  assert needed and all(n.startswith(allowed) for n in needed), needed
+    out = subprocess.run(["readelf", "-d", _native.LIB_PATH], capture_output=True, text=True,
+                         check=True).stdout
+    needed = [l.split("[")[1].rstrip("]") for l in out.splitlines() if "(NEEDED)" in l]
+    allowed = ("libc.so", "libstdc++.so", "libm.so", "libdl.so", "librt.so", "libpthread.so",
+               "ld-linux", "libcuda.so")
+    assert needed and all(n.startswith(allowed) for n in needed), needed
 
 
 @needs_lib
 def test_ffi_target_registers():
-  _native.load()
-  _native.load()  # idempotent
+    _native.load()
+    _native.load()  # idempotent

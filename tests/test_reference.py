@@ -26,201 +26,201 @@ CASES = [
 
 
 def _run(p, **kw):
-  return jax_dsa.sparse_mla(p.q, p.kv, p.idx, sink=p.sink, topk_length=p.topk_length,
-                            d_v=p.d_v, return_lse=True, implementation="xla", **kw)
+    return jax_dsa.sparse_mla(p.q, p.kv, p.idx, sink=p.sink, topk_length=p.topk_length,
+                              d_v=p.d_v, return_lse=True, implementation="xla", **kw)
 
 
 def _loss_weights(rng, p):
-  b, t, h, _ = p.q.shape
-  return (rng.standard_normal((b, t, h, p.d_v)).astype(np.float32),
-          rng.standard_normal((b, t, h)).astype(np.float32))
+    b, t, h, _ = p.q.shape
+    return (rng.standard_normal((b, t, h, p.d_v)).astype(np.float32),
+            rng.standard_normal((b, t, h)).astype(np.float32))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}H{}D{}S{}K{}{}-{}".format(
     *c[:6], "-sink" if c[6] else "", c[7]))
 def test_forward_and_grads_fp32_match_float64_oracle(case):
-  b, t, h, d, s, k, sink, topk = case
-  rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
-  p = make_problem(rng, b, t, h, d, s, k, sink=sink, topk=topk)
-  o, lse = _run(p)
-  o_ref, lse_ref = oracle.numpy_forward(p.q, p.kv, p.idx, p.lengths, p.sink, p.scale, p.d_v)
-  assert o.dtype == jnp.float32 and lse.dtype == jnp.float32
-  assert o.shape == (b, t, h, p.d_v) and lse.shape == (b, t, h)
-  assert rel_err(o, o_ref) < 1e-5
-  dead = np.isneginf(lse_ref)
-  assert dead[0, 0].all(), "the problem has a dead row"
-  np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), dead)
-  assert rel_err(np.asarray(lse)[~dead], lse_ref[~dead]) < 1e-5
-  np.testing.assert_array_equal(np.asarray(o)[dead], 0.0)
+    b, t, h, d, s, k, sink, topk = case
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+    p = make_problem(rng, b, t, h, d, s, k, sink=sink, topk=topk)
+    o, lse = _run(p)
+    o_ref, lse_ref = oracle.numpy_forward(p.q, p.kv, p.idx, p.lengths, p.sink, p.scale, p.d_v)
+    assert o.dtype == jnp.float32 and lse.dtype == jnp.float32
+    assert o.shape == (b, t, h, p.d_v) and lse.shape == (b, t, h)
+    assert rel_err(o, o_ref) < 1e-5
+    dead = np.isneginf(lse_ref)
+    assert dead[0, 0].all(), "the problem has a dead row"
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), dead)
+    assert rel_err(np.asarray(lse)[~dead], lse_ref[~dead]) < 1e-5
+    np.testing.assert_array_equal(np.asarray(o)[dead], 0.0)
 
-  w_o, w_lse = _loss_weights(rng, p)
+    w_o, w_lse = _loss_weights(rng, p)
 
-  def loss(q, kv, sink_):
-    o, lse = jax_dsa.sparse_mla(q, kv, p.idx, sink=sink_, topk_length=p.topk_length,
-                                d_v=p.d_v, return_lse=True, implementation="xla")
-    return jnp.sum(o * w_o) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_lse)
+    def loss(q, kv, sink_):
+        o, lse = jax_dsa.sparse_mla(q, kv, p.idx, sink=sink_, topk_length=p.topk_length,
+                                    d_v=p.d_v, return_lse=True, implementation="xla")
+        return jnp.sum(o * w_o) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_lse)
 
-  argnums = (0, 1, 2) if sink else (0, 1)
-  grads = jax.jit(jax.grad(loss, argnums=argnums))(p.q, p.kv, p.sink)
-  want = oracle.dense_grads(p.q, p.kv, p.idx, p.lengths, p.sink, p.scale, p.d_v, w_o, w_lse)
-  for name, g, w in zip(("dq", "dkv", "dsink"), grads, want):
-    assert np.all(np.isfinite(g)), name
-    assert rel_err(g, w) < 1e-5, (name, rel_err(g, w))
-  dq = np.asarray(grads[0])
-  np.testing.assert_array_equal(dq[0, 0], 0.0)  # the dead row gets no gradient
+    argnums = (0, 1, 2) if sink else (0, 1)
+    grads = jax.jit(jax.grad(loss, argnums=argnums))(p.q, p.kv, p.sink)
+    want = oracle.dense_grads(p.q, p.kv, p.idx, p.lengths, p.sink, p.scale, p.d_v, w_o, w_lse)
+    for name, g, w in zip(("dq", "dkv", "dsink"), grads, want):
+        assert np.all(np.isfinite(g)), name
+        assert rel_err(g, w) < 1e-5, (name, rel_err(g, w))
+    dq = np.asarray(grads[0])
+    np.testing.assert_array_equal(dq[0, 0], 0.0)  # the dead row gets no gradient
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_precision_matches_oracle(dtype):
-  rng = np.random.default_rng(7)
-  p = make_problem(rng, 2, 3, 16, 576, 200, 63, sink=True, topk="partial")
-  q, kv = jnp.asarray(p.q, dtype), jnp.asarray(p.kv, dtype)
-  o, lse = jax_dsa.sparse_mla(q, kv, p.idx, sink=p.sink, topk_length=p.topk_length,
-                              return_lse=True, implementation="xla")
-  assert o.dtype == dtype
-  o_ref, lse_ref = oracle.numpy_forward(np.asarray(q, np.float32), np.asarray(kv, np.float32),
-                                        p.idx, p.lengths, p.sink, p.scale, 512)
-  assert rel_err(o, o_ref) < 1e-2
-  live = np.isfinite(lse_ref)
-  assert rel_err(np.asarray(lse)[live], lse_ref[live]) < 1e-3
+    rng = np.random.default_rng(7)
+    p = make_problem(rng, 2, 3, 16, 576, 200, 63, sink=True, topk="partial")
+    q, kv = jnp.asarray(p.q, dtype), jnp.asarray(p.kv, dtype)
+    o, lse = jax_dsa.sparse_mla(q, kv, p.idx, sink=p.sink, topk_length=p.topk_length,
+                                return_lse=True, implementation="xla")
+    assert o.dtype == dtype
+    o_ref, lse_ref = oracle.numpy_forward(np.asarray(q, np.float32), np.asarray(kv, np.float32),
+                                          p.idx, p.lengths, p.sink, p.scale, 512)
+    assert rel_err(o, o_ref) < 1e-2
+    live = np.isfinite(lse_ref)
+    assert rel_err(np.asarray(lse)[live], lse_ref[live]) < 1e-3
 
-  w_o, w_lse = _loss_weights(rng, p)
-  grads = jax.grad(lambda q, kv, s: jnp.sum(jax_dsa.sparse_mla(
-      q, kv, p.idx, sink=s, topk_length=p.topk_length, implementation="xla")
-      .astype(jnp.float32) * w_o), argnums=(0, 1, 2))(q, kv, p.sink)
-  want = oracle.dense_grads(np.asarray(q, np.float32), np.asarray(kv, np.float32), p.idx,
-                            p.lengths, p.sink, p.scale, 512, w_o, np.zeros_like(w_lse))
-  assert grads[0].dtype == dtype and grads[1].dtype == dtype and grads[2].dtype == jnp.float32
-  for g, w in zip(grads, want):
-    assert rel_err(g, w) < 2e-2
+    w_o, w_lse = _loss_weights(rng, p)
+    grads = jax.grad(lambda q, kv, s: jnp.sum(jax_dsa.sparse_mla(
+        q, kv, p.idx, sink=s, topk_length=p.topk_length, implementation="xla")
+        .astype(jnp.float32) * w_o), argnums=(0, 1, 2))(q, kv, p.sink)
+    want = oracle.dense_grads(np.asarray(q, np.float32), np.asarray(kv, np.float32), p.idx,
+                              p.lengths, p.sink, p.scale, 512, w_o, np.zeros_like(w_lse))
+    assert grads[0].dtype == dtype and grads[1].dtype == dtype and grads[2].dtype == jnp.float32
+    for g, w in zip(grads, want):
+        assert rel_err(g, w) < 2e-2
 
 
 def test_reference_chunking_is_exact():
-  """Chunks of 2 tokens over T=5 (so the last chunk is padded) give the unchunked answer."""
-  rng = np.random.default_rng(3)
-  p = make_problem(rng, 2, 5, 4, 64, 30, 9, sink=True, topk="partial", d_v=48)
-  args = (p.q, p.kv, p.idx, p.lengths, p.sink)
-  o1, l1 = reference.forward(*args, scale=p.scale, d_v=p.d_v, chunk=2)
-  o2, l2 = reference.forward(*args, scale=p.scale, d_v=p.d_v, chunk=5)
-  np.testing.assert_allclose(o1, o2, rtol=1e-6, atol=1e-6)
-  np.testing.assert_allclose(l1, l2, rtol=1e-6)
-  do = rng.standard_normal(o1.shape).astype(np.float32)
-  dl = rng.standard_normal(l1.shape).astype(np.float32)
-  g1 = reference.backward(*args, o1, l1, do, dl, scale=p.scale, d_v=p.d_v, chunk=2)
-  g2 = reference.backward(*args, o2, l2, do, dl, scale=p.scale, d_v=p.d_v, chunk=5)
-  for a, b in zip(g1, g2):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    """Chunks of 2 tokens over T=5 (so the last chunk is padded) give the unchunked answer."""
+    rng = np.random.default_rng(3)
+    p = make_problem(rng, 2, 5, 4, 64, 30, 9, sink=True, topk="partial", d_v=48)
+    args = (p.q, p.kv, p.idx, p.lengths, p.sink)
+    o1, l1 = reference.forward(*args, scale=p.scale, d_v=p.d_v, chunk=2)
+    o2, l2 = reference.forward(*args, scale=p.scale, d_v=p.d_v, chunk=5)
+    np.testing.assert_allclose(o1, o2, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(l1, l2, rtol=1e-6)
+    do = rng.standard_normal(o1.shape).astype(np.float32)
+    dl = rng.standard_normal(l1.shape).astype(np.float32)
+    g1 = reference.backward(*args, o1, l1, do, dl, scale=p.scale, d_v=p.d_v, chunk=2)
+    g2 = reference.backward(*args, o2, l2, do, dl, scale=p.scale, d_v=p.d_v, chunk=5)
+    for a, b in zip(g1, g2):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_chunk_size_bounds_memory():
-  # One chunk's gather and scores stay within the element budget, whatever T is.
-  for t in (1, 4096, 1 << 20):
-    c = reference.chunk_tokens(t, 2048, 576, 128)
-    assert 1 <= c <= t and c * 2048 * (576 + 128) <= reference._CHUNK_ELEMENTS
+    # One chunk's gather and scores stay within the element budget, whatever T is.
+    for t in (1, 4096, 1 << 20):
+        c = reference.chunk_tokens(t, 2048, 576, 128)
+        assert 1 <= c <= t and c * 2048 * (576 + 128) <= reference._CHUNK_ELEMENTS
 
 
 def test_dead_rows_zero_output_and_gradients_with_and_without_sink():
-  rng = np.random.default_rng(11)
-  for sink in (False, True):
-    p = make_problem(rng, 1, 3, 4, 32, 10, 5, sink=sink, topk="partial", d_v=16)
-    p.idx[0, 1] = np.array([-1, 10, 11, -5, 99], np.int32)  # every entry invalid
-    p.topk_length[0, 2] = 0                                   # nothing selected
-    o, lse = _run(p)
-    assert np.all(np.asarray(o)[0, 1:] == 0) and np.all(np.isneginf(np.asarray(lse)[0, 1:]))
-    grads = jax.grad(lambda q, kv, s: jnp.sum(jax_dsa.sparse_mla(
-        q, kv, p.idx, sink=s, topk_length=p.topk_length, d_v=16, return_lse=True,
-        implementation="xla")[0]), argnums=(0, 1, 2) if sink else (0, 1))(p.q, p.kv, p.sink)
-    for g in grads:
-      assert np.all(np.isfinite(g))
-    assert np.all(np.asarray(grads[0])[0, 1:] == 0)
+    rng = np.random.default_rng(11)
+    for sink in (False, True):
+        p = make_problem(rng, 1, 3, 4, 32, 10, 5, sink=sink, topk="partial", d_v=16)
+        p.idx[0, 1] = np.array([-1, 10, 11, -5, 99], np.int32)  # every entry invalid
+        p.topk_length[0, 2] = 0                                   # nothing selected
+        o, lse = _run(p)
+        assert np.all(np.asarray(o)[0, 1:] == 0) and np.all(np.isneginf(np.asarray(lse)[0, 1:]))
+        grads = jax.grad(lambda q, kv, s: jnp.sum(jax_dsa.sparse_mla(
+            q, kv, p.idx, sink=s, topk_length=p.topk_length, d_v=16, return_lse=True,
+            implementation="xla")[0]), argnums=(0, 1, 2) if sink else (0, 1))(p.q, p.kv, p.sink)
+        for g in grads:
+            assert np.all(np.isfinite(g))
+        assert np.all(np.asarray(grads[0])[0, 1:] == 0)
 
 
 def test_jax_grad_agrees_with_autodiff_of_naive_dense_formulation():
-  """Same check in float32 JAX: the custom_vjp against jax.grad of a dense masked softmax."""
-  rng = np.random.default_rng(5)
-  p = make_problem(rng, 2, 4, 6, 40, 25, 12, sink=True, topk="partial", d_v=32)
-  counts = jnp.asarray(oracle.multiplicity(p.idx, p.lengths, 25), jnp.float32)
-  w_o = rng.standard_normal((2, 4, 6, 32)).astype(np.float32)
+    """Same check in float32 JAX: the custom_vjp against jax.grad of a dense masked softmax."""
+    rng = np.random.default_rng(5)
+    p = make_problem(rng, 2, 4, 6, 40, 25, 12, sink=True, topk="partial", d_v=32)
+    counts = jnp.asarray(oracle.multiplicity(p.idx, p.lengths, 25), jnp.float32)
+    w_o = rng.standard_normal((2, 4, 6, 32)).astype(np.float32)
 
-  def naive(q, kv, sink):
-    return jnp.sum(oracle.dense_forward(q, kv, counts, sink, p.scale, 32)[0] * w_o)
+    def naive(q, kv, sink):
+        return jnp.sum(oracle.dense_forward(q, kv, counts, sink, p.scale, 32)[0] * w_o)
 
-  def ours(q, kv, sink):
-    return jnp.sum(_run(dataclasses.replace(p, q=q, kv=kv, sink=sink))[0] * w_o)
+    def ours(q, kv, sink):
+        return jnp.sum(_run(dataclasses.replace(p, q=q, kv=kv, sink=sink))[0] * w_o)
 
-  g_naive = jax.grad(naive, argnums=(0, 1, 2))(p.q, p.kv, p.sink)
-  g_ours = jax.grad(ours, argnums=(0, 1, 2))(p.q, p.kv, p.sink)
-  for a, b in zip(g_ours, g_naive):
-    assert rel_err(a, b) < 1e-5
+    g_naive = jax.grad(naive, argnums=(0, 1, 2))(p.q, p.kv, p.sink)
+    g_ours = jax.grad(ours, argnums=(0, 1, 2))(p.q, p.kv, p.sink)
+    for a, b in zip(g_ours, g_naive):
+        assert rel_err(a, b) < 1e-5
 
 
 def test_three_dim_layout_equals_batch_of_one():
-  rng = np.random.default_rng(9)
-  p = make_problem(rng, 1, 4, 3, 32, 20, 6, sink=True, topk="partial", d_v=16)
-  o4, l4 = _run(p)
-  o3, l3 = jax_dsa.sparse_mla(p.q[0], p.kv[0], p.idx[0], sink=p.sink,
-                              topk_length=p.topk_length[0], d_v=16, return_lse=True)
-  np.testing.assert_array_equal(o3, o4[0])
-  np.testing.assert_array_equal(l3, l4[0])
-  assert jax_dsa.sparse_mla(p.q[0], p.kv[0], p.idx[0], d_v=16).shape == (4, 3, 16)
+    rng = np.random.default_rng(9)
+    p = make_problem(rng, 1, 4, 3, 32, 20, 6, sink=True, topk="partial", d_v=16)
+    o4, l4 = _run(p)
+    o3, l3 = jax_dsa.sparse_mla(p.q[0], p.kv[0], p.idx[0], sink=p.sink,
+                                topk_length=p.topk_length[0], d_v=16, return_lse=True)
+    np.testing.assert_array_equal(o3, o4[0])
+    np.testing.assert_array_equal(l3, l4[0])
+    assert jax_dsa.sparse_mla(p.q[0], p.kv[0], p.idx[0], d_v=16).shape == (4, 3, 16)
 
 
 def test_jit_vmap_checkpoint():
-  rng = np.random.default_rng(13)
-  n = 3
-  ps = [make_problem(rng, 2, 3, 4, 32, 20, 6, sink=True, topk="partial", d_v=16)
-        for _ in range(n)]
-  q = np.stack([p.q for p in ps]); kv = np.stack([p.kv for p in ps])
-  # jnp arrays: jax itself rejects NumPy arrays vmapped into a custom_vjp under checkpoint.
-  idx = jnp.asarray(np.stack([p.idx for p in ps]))
-  tl = jnp.asarray(np.stack([p.topk_length for p in ps]))
-  sink = ps[0].sink
+    rng = np.random.default_rng(13)
+    n = 3
+    ps = [make_problem(rng, 2, 3, 4, 32, 20, 6, sink=True, topk="partial", d_v=16)
+          for _ in range(n)]
+    q = np.stack([p.q for p in ps]); kv = np.stack([p.kv for p in ps])
+    # jnp arrays: jax itself rejects NumPy arrays vmapped into a custom_vjp under checkpoint.
+    idx = jnp.asarray(np.stack([p.idx for p in ps]))
+    tl = jnp.asarray(np.stack([p.topk_length for p in ps]))
+    sink = ps[0].sink
 
-  def f(q, kv, idx, tl, sink):
-    return jax_dsa.sparse_mla(q, kv, idx, sink=sink, topk_length=tl, d_v=16, return_lse=True)
+    def f(q, kv, idx, tl, sink):
+        return jax_dsa.sparse_mla(q, kv, idx, sink=sink, topk_length=tl, d_v=16, return_lse=True)
 
-  o_v, l_v = jax.jit(jax.vmap(f, in_axes=(0, 0, 0, 0, None)))(q, kv, idx, tl, sink)
-  for i in range(n):
-    o_i, l_i = f(q[i], kv[i], idx[i], tl[i], sink)
-    np.testing.assert_allclose(o_v[i], o_i, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(l_v[i], l_i, rtol=1e-6)
+    o_v, l_v = jax.jit(jax.vmap(f, in_axes=(0, 0, 0, 0, None)))(q, kv, idx, tl, sink)
+    for i in range(n):
+        o_i, l_i = f(q[i], kv[i], idx[i], tl[i], sink)
+        np.testing.assert_allclose(o_v[i], o_i, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(l_v[i], l_i, rtol=1e-6)
 
-  # vmap with kv shared across the mapped axis, and the sink mapped too.
-  sinks = np.stack([p.sink for p in ps])
-  o_s = jax.vmap(f, in_axes=(0, None, 0, 0, 0))(q, kv[0], idx, tl, sinks)[0]
-  np.testing.assert_allclose(o_s[2], f(q[2], kv[0], idx[2], tl[2], sinks[2])[0],
-                             rtol=1e-6, atol=1e-6)
+    # vmap with kv shared across the mapped axis, and the sink mapped too.
+    sinks = np.stack([p.sink for p in ps])
+    o_s = jax.vmap(f, in_axes=(0, None, 0, 0, 0))(q, kv[0], idx, tl, sinks)[0]
+    np.testing.assert_allclose(o_s[2], f(q[2], kv[0], idx[2], tl[2], sinks[2])[0],
+                               rtol=1e-6, atol=1e-6)
 
-  def loss(q, kv, sink):
-    return jnp.sum(jax.vmap(f, in_axes=(0, 0, 0, 0, None))(q, kv, idx, tl, sink)[0] ** 2)
+    def loss(q, kv, sink):
+        return jnp.sum(jax.vmap(f, in_axes=(0, 0, 0, 0, None))(q, kv, idx, tl, sink)[0] ** 2)
 
-  g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, sink)
-  g_ckpt = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2)))(q, kv, sink)
-  g_loop = [jax.grad(lambda q_, kv_, s_: jnp.sum(f(q_, kv_, idx[i], tl[i], s_)[0] ** 2),
-                     argnums=(0, 1, 2))(q[i], kv[i], sink) for i in range(n)]
-  for a, b in zip(g, g_ckpt):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(g[0][1], g_loop[1][0], rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(g[1][2], g_loop[2][1], rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(g[2], sum(gl[2] for gl in g_loop), rtol=1e-5, atol=1e-5)
+    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, sink)
+    g_ckpt = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2)))(q, kv, sink)
+    g_loop = [jax.grad(lambda q_, kv_, s_: jnp.sum(f(q_, kv_, idx[i], tl[i], s_)[0] ** 2),
+                       argnums=(0, 1, 2))(q[i], kv[i], sink) for i in range(n)]
+    for a, b in zip(g, g_ckpt):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g[0][1], g_loop[1][0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g[1][2], g_loop[2][1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g[2], sum(gl[2] for gl in g_loop), rtol=1e-5, atol=1e-5)
 
 
 def test_deterministic_reference_backward_matches_the_scatter():
-  """The in-order dkv sum (sort + segmented scan) equals the plain scatter-add up to fp32
-  rounding, with duplicates, invalid entries and topk_length."""
-  from jax_dsa import reference
-  rng = np.random.default_rng(11)
-  b, t, h, d, s, k = 2, 6, 3, 64, 9, 20
-  q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
-  kv = jnp.asarray(rng.standard_normal((b, s, d)), jnp.float32)
-  idx = jnp.asarray(rng.integers(-2, s + 2, (b, t, k)), jnp.int32)
-  tl = jnp.asarray(rng.integers(0, k + 1, (b, t)), jnp.int32)
-  sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
-  o, lse = reference.forward(q, kv, idx, tl, sink, scale=0.1, d_v=32)
-  do = jnp.asarray(rng.standard_normal(o.shape), jnp.float32)
-  dlse = jnp.asarray(rng.standard_normal(lse.shape), jnp.float32)
-  args = (q, kv, idx, tl, sink, o, lse, do, dlse)
-  plain = reference.backward(*args, scale=0.1, d_v=32, chunk=4)
-  ordered = reference.backward(*args, scale=0.1, d_v=32, chunk=4, deterministic=True)
-  for a, b_ in zip(plain, ordered):
-    np.testing.assert_allclose(np.asarray(b_), np.asarray(a), rtol=1e-5, atol=1e-5)
+    """The in-order dkv sum (sort + segmented scan) equals the plain scatter-add up to fp32
+    rounding, with duplicates, invalid entries and topk_length."""
+    from jax_dsa import reference
+    rng = np.random.default_rng(11)
+    b, t, h, d, s, k = 2, 6, 3, 64, 9, 20
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((b, s, d)), jnp.float32)
+    idx = jnp.asarray(rng.integers(-2, s + 2, (b, t, k)), jnp.int32)
+    tl = jnp.asarray(rng.integers(0, k + 1, (b, t)), jnp.int32)
+    sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    o, lse = reference.forward(q, kv, idx, tl, sink, scale=0.1, d_v=32)
+    do = jnp.asarray(rng.standard_normal(o.shape), jnp.float32)
+    dlse = jnp.asarray(rng.standard_normal(lse.shape), jnp.float32)
+    args = (q, kv, idx, tl, sink, o, lse, do, dlse)
+    plain = reference.backward(*args, scale=0.1, d_v=32, chunk=4)
+    ordered = reference.backward(*args, scale=0.1, d_v=32, chunk=4, deterministic=True)
+    for a, b_ in zip(plain, ordered):
+        np.testing.assert_allclose(np.asarray(b_), np.asarray(a), rtol=1e-5, atol=1e-5)

@@ -15,51 +15,51 @@ _spec.loader.exec_module(bwd)  # plain Python: no CuTe DSL needed
 
 
 def _accumulator_value(row, col):
-  return 1000 * row + col  # a unique tag per element of the warp's 16 x 64 chunk
+    return 1000 * row + col  # a unique tag per element of the warp's 16 x 64 chunk
 
 
 def _wavefronts(lane_addrs, group):
-  """Shared-memory wavefronts of one warp instruction: lanes are served in groups (16 for
-  8-byte, 8 for 16-byte accesses); a group needs as many wavefronts as the largest number of
-  distinct 4-byte words that fall in one bank."""
-  total = 0
-  for g0 in range(0, 32, group):
-    banks = {}
-    for lane in range(g0, g0 + group):
-      for word in lane_addrs[lane]:
-        banks.setdefault(word % 32, set()).add(word)
-    total += max(len(words) for words in banks.values())
-  return total
+    """Shared-memory wavefronts of one warp instruction: lanes are served in groups (16 for
+    8-byte, 8 for 16-byte accesses); a group needs as many wavefronts as the largest number of
+    distinct 4-byte words that fall in one bank."""
+    total = 0
+    for g0 in range(0, 32, group):
+        banks = {}
+        for lane in range(g0, g0 + group):
+            for word in lane_addrs[lane]:
+                banks.setdefault(word % 32, set()).add(word)
+        total += max(len(words) for words in banks.values())
+    return total
 
 
 @pytest.mark.parametrize("half", [0, 1])
 def test_transpose_round_trip_and_banks(half):
-  scratch = {}
-  # writes: lane l = 4 q + s holds rows q + 8 rho, columns 8 j + 2 s + {0, 1} (j = 4 half + jj)
-  for rho in range(2):
-    for jj in range(4):
-      addrs = []
-      for lane in range(32):
-        q, s = lane // 4, lane % 4
-        row, col = q + 8 * rho, 8 * jj + 2 * s
-        off = bwd.scratch_offset(row, col)
-        assert off % 2 == 0
-        for c in range(2):
-          assert bwd.scratch_offset(row, col + c) == off + c
-          assert off + c not in scratch or scratch[off + c][0] != (rho, jj)
-          scratch[off + c] = (rho, jj, _accumulator_value(row, 32 * half + col + c))
-        addrs.append([off, off + 1])
-      assert _wavefronts(addrs, 16) == 2, "8-byte writes: 2 wavefronts at best (256 B)"
-  assert sorted(scratch) == list(range(bwd.SCRATCH_WARP_FLOATS))
-  # reads: lane l reads columns 4 (l % 8) + [0, 4) of row 2 (l // 8) + q0 + 8 rho
-  for rho in range(2):
-    for q0 in range(2):
-      addrs = []
-      for lane in range(32):
-        row, col = 2 * (lane // 8) + q0 + 8 * rho, 4 * (lane % 8)
-        off = bwd.scratch_offset(row, col)
-        assert off % 4 == 0
-        got = [scratch[off + k][2] for k in range(4)]
-        assert got == [_accumulator_value(row, 32 * half + col + k) for k in range(4)]
-        addrs.append(list(range(off, off + 4)))
-      assert _wavefronts(addrs, 8) == 4, "16-byte reads: 4 wavefronts at best (512 B)"
+    scratch = {}
+    # writes: lane l = 4 q + s holds rows q + 8 rho, columns 8 j + 2 s + {0, 1} (j = 4 half + jj)
+    for rho in range(2):
+        for jj in range(4):
+            addrs = []
+            for lane in range(32):
+                q, s = lane // 4, lane % 4
+                row, col = q + 8 * rho, 8 * jj + 2 * s
+                off = bwd.scratch_offset(row, col)
+                assert off % 2 == 0
+                for c in range(2):
+                    assert bwd.scratch_offset(row, col + c) == off + c
+                    assert off + c not in scratch or scratch[off + c][0] != (rho, jj)
+                    scratch[off + c] = (rho, jj, _accumulator_value(row, 32 * half + col + c))
+                addrs.append([off, off + 1])
+            assert _wavefronts(addrs, 16) == 2, "8-byte writes: 2 wavefronts at best (256 B)"
+    assert sorted(scratch) == list(range(bwd.SCRATCH_WARP_FLOATS))
+    # reads: lane l reads columns 4 (l % 8) + [0, 4) of row 2 (l // 8) + q0 + 8 rho
+    for rho in range(2):
+        for q0 in range(2):
+            addrs = []
+            for lane in range(32):
+                row, col = 2 * (lane // 8) + q0 + 8 * rho, 4 * (lane % 8)
+                off = bwd.scratch_offset(row, col)
+                assert off % 4 == 0
+                got = [scratch[off + k][2] for k in range(4)]
+                assert got == [_accumulator_value(row, 32 * half + col + k) for k in range(4)]
+                addrs.append(list(range(off, off + 4)))
+            assert _wavefronts(addrs, 8) == 4, "16-byte reads: 4 wavefronts at best (512 B)"

@@ -11,85 +11,85 @@ import jax_dsa
 from cases import make_problem
 
 try:
-  from jax import shard_map as _shard_map
+    from jax import shard_map as _shard_map
 except ImportError:  # jax < 0.8
-  from jax.experimental.shard_map import shard_map as _shard_map
+    from jax.experimental.shard_map import shard_map as _shard_map
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
 
 
 def _problem(b=2, t=4, h=16):
-  p = make_problem(np.random.default_rng(21), b, t, h, 48, 40, 10, sink=True, topk="partial",
-                   d_v=32)
-  w_o = np.random.default_rng(22).standard_normal((b, t, h, 32)).astype(np.float32)
-  w_l = np.random.default_rng(23).standard_normal((b, t, h)).astype(np.float32)
-  return p, w_o, w_l
+    p = make_problem(np.random.default_rng(21), b, t, h, 48, 40, 10, sink=True, topk="partial",
+                     d_v=32)
+    w_o = np.random.default_rng(22).standard_normal((b, t, h, 32)).astype(np.float32)
+    w_l = np.random.default_rng(23).standard_normal((b, t, h)).astype(np.float32)
+    return p, w_o, w_l
 
 
 def _loss(p, w_o, w_l, q, kv, sink, idx, tl):
-  o, lse = jax_dsa.sparse_mla(q, kv, idx, sink=sink, topk_length=tl, d_v=32, return_lse=True)
-  return jnp.sum(o * w_o) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_l), (o, lse)
+    o, lse = jax_dsa.sparse_mla(q, kv, idx, sink=sink, topk_length=tl, d_v=32, return_lse=True)
+    return jnp.sum(o * w_o) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_l), (o, lse)
 
 
 def _unsharded(p, w_o, w_l):
-  f = jax.jit(jax.value_and_grad(functools.partial(_loss, p, w_o, w_l), argnums=(0, 1, 2),
-                                 has_aux=True))
-  return f(p.q, p.kv, p.sink, p.idx, p.topk_length)
+    f = jax.jit(jax.value_and_grad(functools.partial(_loss, p, w_o, w_l), argnums=(0, 1, 2),
+                                   has_aux=True))
+    return f(p.q, p.kv, p.sink, p.idx, p.topk_length)
 
 
 def _assert_same(got, want):
-  (l1, (o1, lse1)), g1 = got
-  (l2, (o2, lse2)), g2 = want
-  np.testing.assert_allclose(o1, o2, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(lse1, lse2, rtol=1e-5)
-  np.testing.assert_allclose(l1, l2, rtol=1e-5)
-  for a, b in zip(g1, g2):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    (l1, (o1, lse1)), g1 = got
+    (l2, (o2, lse2)), g2 = want
+    np.testing.assert_allclose(o1, o2, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse1, lse2, rtol=1e-5)
+    np.testing.assert_allclose(l1, l2, rtol=1e-5)
+    for a, b in zip(g1, g2):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("q_spec", [P("data", "tok", "head"), P("data", None, ("tok", "head")),
                                     P(None, ("data", "tok"), "head")])
 def test_jit_with_named_shardings_partitions_without_gathering_q(q_spec):
-  p, w_o, w_l = _problem()
-  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "tok", "head"))
-  spec4 = tuple(q_spec) + (None,) * (4 - len(q_spec))
-  b_ax, t_ax, h_ax = spec4[:3]
-  put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
-  args = (put(p.q, P(*spec4)), put(p.kv, P(b_ax, None, None)), put(p.sink, P(h_ax)),
-          put(p.idx, P(b_ax, t_ax, None)), put(p.topk_length, P(b_ax, t_ax)))
-  f = jax.jit(jax.value_and_grad(functools.partial(_loss, p, w_o, w_l), argnums=(0, 1, 2),
-                                 has_aux=True))
-  got = f(*args)
-  _assert_same(got, _unsharded(p, w_o, w_l))
-  (_, (o, lse)), (dq, dkv, dsink) = got
-  assert o.sharding.is_equivalent_to(NamedSharding(mesh, P(*spec4)), 4)
-  assert dq.sharding.is_equivalent_to(NamedSharding(mesh, P(*spec4)), 4)
-  hlo = f.lower(*args).compile().as_text()
-  # Nothing is gathered (q least of all): only reductions of dkv, dsink and the loss remain.
-  assert "all-gather" not in hlo and "all-to-all" not in hlo
-  assert "all-reduce" in hlo
+    p, w_o, w_l = _problem()
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "tok", "head"))
+    spec4 = tuple(q_spec) + (None,) * (4 - len(q_spec))
+    b_ax, t_ax, h_ax = spec4[:3]
+    put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+    args = (put(p.q, P(*spec4)), put(p.kv, P(b_ax, None, None)), put(p.sink, P(h_ax)),
+            put(p.idx, P(b_ax, t_ax, None)), put(p.topk_length, P(b_ax, t_ax)))
+    f = jax.jit(jax.value_and_grad(functools.partial(_loss, p, w_o, w_l), argnums=(0, 1, 2),
+                                   has_aux=True))
+    got = f(*args)
+    _assert_same(got, _unsharded(p, w_o, w_l))
+    (_, (o, lse)), (dq, dkv, dsink) = got
+    assert o.sharding.is_equivalent_to(NamedSharding(mesh, P(*spec4)), 4)
+    assert dq.sharding.is_equivalent_to(NamedSharding(mesh, P(*spec4)), 4)
+    hlo = f.lower(*args).compile().as_text()
+    # Nothing is gathered (q least of all): only reductions of dkv, dsink and the loss remain.
+    assert "all-gather" not in hlo and "all-to-all" not in hlo
+    assert "all-reduce" in hlo
 
 
 def test_shard_map_head_parallel_matches_unsharded():
-  """128 heads over 8 devices = 16 per shard; kv and idx replicated; no psum by the user."""
-  p, w_o, w_l = _problem(b=1, t=3, h=128)
-  mesh = Mesh(np.array(jax.devices()[:8]), ("head",))
+    """128 heads over 8 devices = 16 per shard; kv and idx replicated; no psum by the user."""
+    p, w_o, w_l = _problem(b=1, t=3, h=128)
+    mesh = Mesh(np.array(jax.devices()[:8]), ("head",))
 
-  def per_shard(q, kv, sink, idx, tl, w_o_, w_l_):
-    assert q.shape[2] == 16
-    o, lse = jax_dsa.sparse_mla(q, kv, idx, sink=sink, topk_length=tl, d_v=32,
-                                return_lse=True)
-    part = jnp.sum(o * w_o_) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_l_)
-    return o, lse, part[None]
+    def per_shard(q, kv, sink, idx, tl, w_o_, w_l_):
+        assert q.shape[2] == 16
+        o, lse = jax_dsa.sparse_mla(q, kv, idx, sink=sink, topk_length=tl, d_v=32,
+                                    return_lse=True)
+        part = jnp.sum(o * w_o_) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_l_)
+        return o, lse, part[None]
 
-  sharded = _shard_map(per_shard, mesh=mesh,
-                       in_specs=(P(None, None, "head"), P(), P("head"), P(), P(),
-                                 P(None, None, "head"), P(None, None, "head")),
-                       out_specs=(P(None, None, "head"), P(None, None, "head"), P("head")))
+    sharded = _shard_map(per_shard, mesh=mesh,
+                         in_specs=(P(None, None, "head"), P(), P("head"), P(), P(),
+                                   P(None, None, "head"), P(None, None, "head")),
+                         out_specs=(P(None, None, "head"), P(None, None, "head"), P("head")))
 
-  def loss(q, kv, sink):
-    o, lse, partial_losses = sharded(q, kv, sink, p.idx, p.topk_length, w_o, w_l)
-    return jnp.sum(partial_losses), (o, lse)
+    def loss(q, kv, sink):
+        o, lse, partial_losses = sharded(q, kv, sink, p.idx, p.topk_length, w_o, w_l)
+        return jnp.sum(partial_losses), (o, lse)
 
-  got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(p.q, p.kv, p.sink)
-  _assert_same(got, _unsharded(p, w_o, w_l))
+    got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(p.q, p.kv, p.sink)
+    _assert_same(got, _unsharded(p, w_o, w_l))
