@@ -1,6 +1,10 @@
 """Benchmark sparse MLA: the Hopper kernel against the pure-JAX reference, in one run.
 
-    python examples/benchmark.py [--quick] [--out DIR] [--impls cute,xla] [--passes fwd,bwd,fwdbwd]
+    python examples/benchmark.py [--quick | --small] [--out DIR] [--impls cute,xla]
+                                 [--passes fwd,bwd,fwdbwd]
+
+--small is a CPU-sized run (T = S = 256, two head counts, few calls): it checks the script and
+the reference in a minute, it measures nothing of interest.
 
 --impls takes cute (the kernels), cute-det (the kernels with deterministic=True, which only
 changes the backward) and xla (the reference).
@@ -63,7 +67,7 @@ def make_inputs(h, topk, tokens, seed=0):
         rng.integers(0, tokens, (tokens, topk)))
     idx = np.concatenate([window, picks], axis=1).astype(np.int32)[None]
     sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
-    valid = int((idx >= 0).sum())
+    valid = int((idx >= 0).sum())  # fewer than T * (WINDOW + topk) when T < topk or T < WINDOW
     return q, kv, jnp.asarray(idx), sink, valid
 
 
@@ -123,10 +127,14 @@ def make_fn(impl, passes):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="only the issue's four shapes")
+    parser.add_argument("--quick", action="store_true", help="only the V4 and TP-shard shapes")
+    parser.add_argument("--small", action="store_true",
+                        help="CPU-sized: T = S = 256, H in {16, 64}, 2 batches of 2 calls")
     parser.add_argument("--heads", default="", help="comma-separated head counts to keep (default: all)")
     parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--impls", default="cute,xla")
+    parser.add_argument("--impls", default=None,
+                        help="comma-separated: cute, cute-det, xla (default: cute,xla, or xla "
+                             "alone where the kernels cannot run)")
     parser.add_argument("--passes", default="fwd,bwd,fwdbwd")
     parser.add_argument("--calls", type=int, default=10, help="calls per batch (at least)")
     parser.add_argument("--batch-ms", type=float, default=25.0,
@@ -142,27 +150,46 @@ def main(argv=None):
         plot_report(rows, head, args.out)
         return rows
 
-    impls = args.impls.split(",")
-    if api.kernel_runtime_problem() and any(i.startswith("cute") for i in impls):
-        print(f"kernel unavailable: {api.kernel_runtime_problem()}; timing the reference only")
-        impls = [i for i in impls if not i.startswith("cute")]
+    if args.small:
+        args.tokens, args.calls, args.batches, args.batch_ms = 256, 2, 2, 0.0
+    problem = api.kernel_runtime_problem()
+    if args.impls is None:
+        impls = ["cute", "xla"]
+        if problem:
+            print(f"kernels unavailable ({problem}): timing the reference only")
+            impls = ["xla"]
+    else:
+        impls = args.impls.split(",")
+        unknown = [i for i in impls if i not in ("cute", "cute-det", "xla")]
+        if unknown:
+            raise SystemExit(f"benchmark: unknown --impls {unknown}; use cute, cute-det, xla")
+        if problem and any(i.startswith("cute") for i in impls):
+            raise SystemExit(f"benchmark: --impls {args.impls} asks for the kernels, which "
+                             f"cannot run here: {problem}")
     shapes = [s for s in SHAPES if not args.quick or s[0] in QUICK]
+    if args.small:
+        shapes = [s for s in SHAPES if s[0] in ("V4-Flash H=64", "TP shard H=16")]
     if args.heads:
         shapes = [s for s in shapes if str(s[1]) in args.heads.split(",")]
     rows = []
+    passes_list = args.passes.split(",")
+    total, done = len(shapes) * len(passes_list) * len(impls), 0
     for label, h, topk in shapes:
         q, kv, idx, sink, valid = make_inputs(h, topk, args.tokens)
+        k_mean = valid / args.tokens  # valid entries per token: the K of the FLOP count
         flops_fwd = 2.0 * h * valid * (D + D_V)
         bytes_fwd = 2.0 * (valid * D + q.size + q.size // D * D_V)
-        for passes in args.passes.split(","):
+        for passes in passes_list:
             flops = flops_fwd * {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}[passes]
             times = {}
             for impl in impls:
+                done += 1
+                print(f"[{done}/{total}] {label} {passes} {impl} ...", flush=True)
                 fn, make_args = make_fn(impl, passes)
                 fn_args = make_args(q, kv, idx, sink)
                 t = time_call(fn, fn_args, args.calls, args.batches, args.batch_ms)
                 times[impl] = t
-                rows.append(dict(shape=label, h=h, k=WINDOW + topk, t=args.tokens, passes=passes,
+                rows.append(dict(shape=label, h=h, k=round(k_mean), t=args.tokens, passes=passes,
                                  impl=impl, us=t * 1e6, tflops=flops / t / 1e12,
                                  tbs=bytes_fwd / t / 1e12 if passes == "fwd" else float("nan"),
                                  mem_mb=device_bytes(fn, fn_args) / 2**20))

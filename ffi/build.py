@@ -27,6 +27,15 @@ FFI_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(FFI_DIR)
 LIB_NAME = "libjax_dsa_sm90.so"
 DTYPES = ("bf16", "f16")
+# Exit status when this machine lacks what the build needs (CUDA's runtime headers and static
+# library, a C++ compiler): setup.py then installs the reference-only package and says so.
+NO_TOOLCHAIN = 3
+
+
+class MissingToolchain(SystemExit):
+    def __init__(self, message):
+        print(f"[build] {message}", file=sys.stderr, flush=True)
+        super().__init__(NO_TOOLCHAIN)
 
 
 def _constants():
@@ -92,8 +101,8 @@ def find_cuda():
         lib = next((p for p in libs if os.path.isfile(p)), None)
         if os.path.isfile(os.path.join(inc, "cuda_runtime.h")) and lib:
             return inc, lib
-    raise SystemExit(
-        "build: need CUDA's cuda_runtime.h and libcudart_static.a "
+    raise MissingToolchain(
+        "need CUDA's cuda_runtime.h and libcudart_static.a "
         "(set CUDA_HOME); searched: " + ", ".join(cands)
     )
 
@@ -105,7 +114,7 @@ def find_dialect_runtime():
         hits = glob.glob(os.path.join(base, "**", "libcuda_dialect_runtime_static.a"), recursive=True)
         if hits:
             return hits[0]
-    raise SystemExit("build: libcuda_dialect_runtime_static.a not found in nvidia-cutlass-dsl")
+    raise MissingToolchain("libcuda_dialect_runtime_static.a not found in nvidia-cutlass-dsl")
 
 
 def compile_kernel(module, fn, kwargs):
@@ -194,6 +203,10 @@ def main():
     os.makedirs(args.build_dir, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
 
+    import shutil
+
+    if shutil.which(args.cxx) is None:
+        raise MissingToolchain(f"no C++ compiler {args.cxx!r} (set CXX)")
     import jax
 
     ffi_inc = jax.ffi.include_dir()

@@ -1,6 +1,13 @@
 """jax_dsa: DeepSeek sparse attention (sparse MLA) for JAX, with Hopper kernels in CuTe DSL."""
-from jax_dsa import indices
-from jax_dsa.api import sparse_mla
+from jax_dsa import cute, indices
+from jax_dsa.api import Plan, explain, sparse_mla
 
 __version__ = "0.1.0"
-__all__ = ["sparse_mla", "indices", "__version__"]
+__all__ = ["sparse_mla", "explain", "Plan", "indices", "cute", "flax", "__version__"]
+
+
+def __getattr__(name):
+    if name == "flax":  # needs flax (an optional dependency): imported on first use
+        import importlib
+        return importlib.import_module("jax_dsa.flax")
+    raise AttributeError(f"module 'jax_dsa' has no attribute {name!r}")

@@ -87,7 +87,7 @@ def _attention_bwd(scale, d_v, impl, config, deterministic, residuals, cotangent
     do, dlse = cotangents
     _, bwd = _ops(scale, d_v, impl, config, deterministic)
     dq, dkv, dsink = bwd(q, kv, idx, topk_length, sink, o, lse, do.astype(o.dtype),
-                         dlse.astype(jnp.float32))
+                         dlse.astype(lse.dtype))
     return dq, dkv.astype(kv.dtype), None, None, jnp.sum(dsink, axis=0)
 
 

@@ -1,7 +1,11 @@
-"""Public entry point: `sparse_mla` (argument checks, layouts, implementation choice)."""
+"""Public entry points: `sparse_mla` (argument checks, layouts, implementation choice) and
+`explain` (what a call would run, and why)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -13,28 +17,34 @@ from jax_dsa.cute.config import Config
 
 IMPLEMENTATIONS = (None, "xla", "cute")
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
+_log = logging.getLogger("jax_dsa")
 
 
-def sparse_mla(q, kv, idx, *, scale=None, sink=None, topk_length=None, d_v=512,
+def sparse_mla(q, kv, idx, *, scale=None, sink=None, topk_length=None, d_v=None,
                return_lse=False, implementation=None, deterministic=False, config=None):
     """DeepSeek sparse attention (sparse MLA): each query token attends to its own K rows of kv.
 
     Args:
-      q: [B, T, H, Dqk] (or [T, H, Dqk] for one sequence), bfloat16 / float16 (float32 runs on the
-        reference only).
+      q: [B, T, H, Dqk] (or [T, H, Dqk] for one sequence), bfloat16 / float16 (float32 and
+        float64 run on the reference only, which computes float64 in float64).
       kv: [B, S, Dqk] (or [S, Dqk]), the shared latent KV, same dtype as q. Keys are kv, values are
         kv[..., :d_v].
       idx: [B, T, K] (or [T, K]) int32: the rows of kv each token attends to. Entries < 0 or >= S are
         skipped (never read); duplicates count as many times as they appear.
-      scale: softmax scale; default Dqk ** -0.5.
-      sink: optional [H] learnable attention sink (logit), in the softmax denominator only.
+      scale: softmax scale, a finite real number of either sign; default Dqk ** -0.5.
+      sink: optional [H] learnable attention sink (logit), in the softmax denominator only. A NaN
+        sink gives NaN outputs (and gradients) for its head, as any NaN input does.
       topk_length: optional [B, T] (or [T]) int32: only idx[b, t, :topk_length[b, t]] is used.
-      d_v: value width (the first d_v columns of kv), <= Dqk.
+      d_v: value width (the first d_v columns of kv), <= Dqk; default min(512, Dqk). The kernels
+        take d_v = 512.
       return_lse: also return lse [B, T, H] float32, the natural-log log-sum-exp of scale * q.k
         over the valid entries (the sink excluded); -inf for a row with no valid entry.
-      implementation: None (the Hopper kernel when the arrays are on an sm_90 GPU and the shape is
-        supported, otherwise the pure-JAX reference), "xla" (always the reference) or "cute"
-        (always the kernel; raises where it cannot run).
+      implementation: None (the Hopper kernels when the arrays are on an sm_90 GPU and the shape
+        is supported, otherwise the pure-JAX reference; a GPU call that falls back logs a
+        warning once per shape), "xla" (always the reference), "cute" (always the kernels;
+        raises NotImplementedError with the reason where they cannot run), or a sequence of
+        these names tried in order, e.g. ("cute", "xla"): the first that can run.
+        `jax_dsa.explain` tells what a call runs and why.
       deterministic: make the gradients bitwise reproducible run to run. The default backward
         kernel adds dkv contributions with fp32 atomics, whose order varies; with True it stores
         them per entry and sums each kv row's contributions in a fixed order instead (slower:
@@ -46,36 +56,92 @@ def sparse_mla(q, kv, idx, *, scale=None, sink=None, topk_length=None, d_v=512,
     Returns:
       o [B, T, H, d_v] in q's dtype (zeros on a row with no valid entry), and lse if return_lse.
     """
-    q, kv, idx = _as_array(q, "q"), _as_array(kv, "kv"), _as_array(idx, "idx")
-    unbatched = _check_layout(q, kv, idx)
-    if unbatched:
-        q, kv, idx = q[None], kv[None], idx[None]
-        if topk_length is not None:
-            topk_length = _as_array(topk_length, "topk_length")[None]
-    b, t, h, dqk = q.shape
-    k = idx.shape[2]
-    d_v = _check_d_v(d_v, dqk)
-    scale = _check_scale(scale, dqk)
-    topk_length = _check_topk_length(topk_length, b, t, k, unbatched)
-    sink = _check_sink(sink, h)
-    impl = _resolve_implementation(implementation, q, kv, d_v)
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"deterministic must be a Python bool; got {deterministic!r}")
-    if config is not None and not isinstance(config, Config):
-        raise TypeError(f"config must be a jax_dsa.cute.Config or None; got {config!r}")
-
-    q, kv, idx, topk_length, sink = _same_variance(q, kv, idx, topk_length, sink)
-    o, lse = _core.attention(q, kv, idx, topk_length, sink, scale, d_v, impl, config,
-                             bool(deterministic))
-    if unbatched:
+    call = _prepare(q, kv, idx, scale, sink, topk_length, d_v, return_lse, implementation,
+                    deterministic, config)
+    q, kv, idx, topk_length, sink = _same_variance(call.q, call.kv, call.idx, call.topk_length,
+                                                   call.sink)
+    args = (q, kv, idx, topk_length, sink)
+    static = (call.scale, call.d_v, call.impl, config, call.deterministic)
+    if any(isinstance(x, jax.core.Tracer) for x in args):
+        o, lse = _core.attention(*args, *static)
+    else:  # eager: one compiled program per shape and static arguments (jit's cache)
+        o, lse = _eager_attention(*args, *static)
+    if call.unbatched:
         o, lse = o[0], lse[0]
     return (o, lse) if return_lse else o
 
 
-def _as_array(x, name):
-    if isinstance(x, (jax.Array, np.ndarray, np.generic)) or hasattr(x, "shape"):
-        return x if isinstance(x, jax.Array) else jnp.asarray(x)
-    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+_eager_attention = jax.jit(_core.attention, static_argnums=(5, 6, 7, 8, 9))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """A checked sparse_mla call in the canonical 4-D layout."""
+    q: jax.Array
+    kv: jax.Array
+    idx: jax.Array
+    topk_length: jax.Array
+    sink: jax.Array
+    scale: float
+    d_v: int
+    impl: str  # "xla", "cute" or "auto" (kernel when lowered for CUDA, reference elsewhere)
+    reason: str  # why impl was chosen
+    deterministic: bool
+    unbatched: bool
+
+
+def _prepare(q, kv, idx, scale, sink, topk_length, d_v, return_lse, implementation,
+             deterministic, config) -> _Call:
+    q, kv = _as_array(q, "q"), _as_array(kv, "kv")
+    idx = _as_array(idx, "idx", index=True)
+    unbatched = _check_layout(q, kv, idx)
+    if topk_length is not None:
+        topk_length = _as_array(topk_length, "topk_length", index=True)
+    if unbatched:
+        q, kv, idx = q[None], kv[None], idx[None]
+        if topk_length is not None:
+            topk_length = topk_length[None]
+    b, t, h, dqk = q.shape
+    k = idx.shape[2]
+    d_v = _check_d_v(d_v, dqk)
+    scale = _check_scale(scale, dqk)
+    _check_flag(return_lse, "return_lse")
+    _check_flag(deterministic, "deterministic")
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"config must be a jax_dsa.cute.Config or None; got {config!r}")
+    topk_length = _check_topk_length(topk_length, b, t, k, unbatched)
+    sink = _check_sink(sink, h, _compute_dtype(q.dtype))
+    impl, reason = _resolve_implementation(implementation, q, kv, d_v)
+    return _Call(q, kv, idx, topk_length, sink, scale, d_v, impl, reason, bool(deterministic),
+                 unbatched)
+
+
+def _compute_dtype(dtype):
+    """The reference's accumulation dtype: float32, or float64 for float64 inputs."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _as_array(x, name, index=False):
+    if not (isinstance(x, (jax.Array, np.ndarray, np.generic)) or hasattr(x, "shape")):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if isinstance(x, jax.Array):
+        return x
+    if index and not isinstance(x, jax.core.Tracer):
+        host = np.asarray(x)
+        if host.dtype.kind in "iu" and host.dtype.itemsize > 4 and host.size:
+            lo, hi = host.min(), host.max()
+            info = np.iinfo(np.int32)
+            if lo < info.min or hi > info.max:
+                bad = lo if lo < info.min else hi
+                raise ValueError(f"{name} holds {bad}, outside int32: {name} must be int32 "
+                                 "(converting would wrap it to another row)")
+            return jnp.asarray(host.astype(np.int32))
+    return jnp.asarray(x)
+
+
+def _check_flag(value, name):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a Python bool; got {value!r}")
 
 
 def _check_layout(q, kv, idx) -> bool:
@@ -114,6 +180,8 @@ def _check_layout(q, kv, idx) -> bool:
 
 
 def _check_d_v(d_v, dqk) -> int:
+    if d_v is None:
+        return min(constants.D_V, dqk)
     if isinstance(d_v, bool) or not isinstance(d_v, (int, np.integer)):
         raise TypeError(f"d_v must be a Python int; got {d_v!r}")
     if not 1 <= d_v <= dqk:
@@ -126,6 +194,9 @@ def _check_scale(scale, dqk) -> float:
         return float(dqk) ** -0.5
     if isinstance(scale, jax.core.Tracer):
         raise TypeError("scale must be a static Python float, not a traced value")
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer,
+                                                                      np.floating)):
+        raise TypeError(f"scale must be a real number (a Python float); got {scale!r}")
     scale = float(scale)
     if not np.isfinite(scale):
         raise ValueError(f"scale must be finite; got {scale}")
@@ -145,15 +216,15 @@ def _check_topk_length(topk_length, b, t, k, unbatched):
     return topk_length
 
 
-def _check_sink(sink, h):
+def _check_sink(sink, h, dtype):
     if sink is None:
-        return jnp.full((h,), -jnp.inf, jnp.float32)
+        return jnp.full((h,), -jnp.inf, dtype)
     sink = _as_array(sink, "sink")
     if not jnp.issubdtype(sink.dtype, jnp.floating):
         raise TypeError(f"sink must be floating (float32); got {sink.dtype}")
     if sink.shape != (h,):
-        raise ValueError(f"sink must be [H]=({h},); got shape {sink.shape}")
-    return sink.astype(jnp.float32)
+        raise ValueError(f"sink must be [H]=({h},) for q's H={h} heads; got shape {sink.shape}")
+    return sink.astype(dtype)
 
 
 def _variance(x) -> frozenset:
@@ -217,16 +288,76 @@ def _arrays_off_gpu(*arrays) -> bool:
     return False
 
 
-def _resolve_implementation(implementation, q, kv, d_v) -> str:
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}")
-    if implementation == "xla":
-        return "xla"
-    problem = kernel_shape_problem(q, kv, d_v) or kernel_runtime_problem()
-    if implementation is None:
-        return "xla" if problem else "auto"
+def _resolve_implementation(implementation, q, kv, d_v) -> tuple[str, str]:
+    """(impl, reason): impl is "xla", "cute" or "auto" (see _Call)."""
+    if isinstance(implementation, Sequence) and not isinstance(implementation, str):
+        names = tuple(implementation)
+        if not names or any(n not in ("xla", "cute") for n in names):
+            raise ValueError("implementation must be None, 'xla', 'cute' or a non-empty sequence "
+                             f"of 'xla' / 'cute'; got {implementation!r}")
+    elif implementation in IMPLEMENTATIONS:
+        names = (implementation,)
+    else:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or a sequence of them; "
+                         f"got {implementation!r}")
+    shape_problem = kernel_shape_problem(q, kv, d_v)
+    problem = shape_problem or kernel_runtime_problem()
+    if names == (None,):
+        if problem is None:
+            return "auto", "the Hopper kernels (on CUDA; the reference on other platforms)"
+        if shape_problem and kernel_runtime_problem() is None:
+            _warn_fallback(q.shape, q.dtype, d_v, shape_problem)
+        return "xla", f"the reference: {problem}"
     if problem is None and _arrays_off_gpu(q, kv):
         problem = "q/kv are not on a CUDA device"
-    if problem:
-        raise NotImplementedError(f"implementation='cute' cannot run here: {problem}")
-    return "cute"
+    for name in names:
+        if name == "xla":
+            return "xla", "the reference (asked for)" if not problem else f"the reference: {problem}"
+        if problem is None:
+            return "cute", "the Hopper kernels (asked for)"
+    raise NotImplementedError(f"implementation='cute' cannot run here: {problem}")
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_fallback(shape, dtype, d_v, problem):
+    """Logs once per shape that a call on a Hopper GPU runs the (slower) reference."""
+    _log.warning("jax_dsa.sparse_mla: q %s %s, d_v=%d runs the pure-JAX reference, not the "
+                 "Hopper kernels: %s (pass implementation='xla' to silence this, or see "
+                 "jax_dsa.explain)", shape, dtype, d_v, problem)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a sparse_mla call runs: `implementation` ("cute" or "xla"; "auto" runs the kernels
+    on CUDA and the reference on other platforms), `reason`, and for the kernels the `config`
+    that jax_dsa.cute.select (or the given config) picks on these (unsharded) shapes."""
+    implementation: str
+    reason: str
+    config: Config | None
+
+    def __str__(self):
+        text = f"{self.implementation}: {self.reason}"
+        if self.config is not None:
+            fwd, bwd = self.config.fwd, self.config.bwd
+            grouped = (f"grouped by {bwd.group} tokens, list union by {bwd.union}"
+                       if bwd.group > 1 else "one token per 64-row tile")
+            text += f"; forward kernel {fwd.kernel}; backward {grouped}"
+        return text
+
+
+def explain(q, kv, idx, *, scale=None, sink=None, topk_length=None, d_v=None, return_lse=False,
+            implementation=None, deterministic=False, config=None) -> Plan:
+    """What `sparse_mla` with these arguments runs, and why (a `Plan`; str() reads well).
+
+    Takes sparse_mla's arguments and checks them the same way, but computes nothing. Under
+    sharding the kernels are chosen per device shard: pass one shard's arrays to see that
+    choice.
+    """
+    call = _prepare(q, kv, idx, scale, sink, topk_length, d_v, return_lse, implementation,
+                    deterministic, config)
+    if call.impl == "xla":
+        return Plan("xla", call.reason, None)
+    from jax_dsa.cute import config as kernel_config
+    cfg = kernel_config.resolve(config, call.q.shape, call.idx.shape[2], call.kv.shape[1],
+                                call.deterministic)
+    return Plan(call.impl, call.reason, cfg)

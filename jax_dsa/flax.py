@@ -1,5 +1,10 @@
-"""Flax NNX module owning the learnable per-head attention sink."""
+"""Flax NNX module: sparse MLA with a learnable per-head attention sink.
+
+Needs flax (`pip install "jax_dsa[flax]"`); `import jax_dsa` then `jax_dsa.flax` imports it.
+"""
 from __future__ import annotations
+
+from typing import Callable
 
 import jax.numpy as jnp
 from flax import nnx
@@ -12,26 +17,70 @@ class SparseMLA(nnx.Module):
 
     Call with q [B, T, H, Dqk], kv [B, S, Dqk], idx [B, T, K] (or the 3-D layouts); returns
     o [B, T, H, d_v] (and lse when return_lse=True), exactly as `jax_dsa.sparse_mla`.
-    deterministic_backward is sparse_mla's `deterministic` (bitwise reproducible gradients); it
-    is not called `deterministic` because NNX's train() / eval() set attributes of that name.
+
+    Args:
+      num_heads: H, the number of query heads (the sink's length).
+      use_sink: learn a sink (one logit per head, in the softmax denominator only).
+      sink_init: the sink's initial value: a number, or an initializer
+        `init(key, shape, dtype)` (e.g. `nnx.initializers.zeros_init()`), which needs `rngs`.
+      sink_sharding: mesh axis names for the sink, e.g. ("heads",) for head-parallel meshes:
+        the parameter carries them as `sharding` metadata (`nnx.with_partitioning`), so
+        `nnx.get_partition_spec` gives its PartitionSpec.
+      scale, d_v, implementation, config: as `jax_dsa.sparse_mla`.
+      deterministic_backward: sparse_mla's `deterministic` (bitwise reproducible gradients); not
+        called `deterministic` because NNX's train() / eval() set attributes of that name.
+      dtype: the dtype the attention computes in (q and kv are cast to it; bf16 or fp16 for the
+        Hopper kernels); None: the promoted dtype of q and kv.
+      param_dtype: the sink parameter's dtype (float32 by default; the kernels take float32).
+      rngs: `nnx.Rngs`, needed when sink_init is an initializer.
     """
 
-    def __init__(self, num_heads: int, *, use_sink: bool = True, sink_init: float = 0.0,
-                 scale: float | None = None, d_v: int = 512, implementation: str | None = None,
-                 deterministic_backward: bool = False):
-        if num_heads < 1:
-            raise ValueError(f"num_heads must be >= 1; got {num_heads}")
+    def __init__(self, num_heads: int, *, use_sink: bool = True,
+                 sink_init: float | Callable = 0.0, sink_sharding: tuple | None = None,
+                 scale: float | None = None, d_v: int | None = None,
+                 implementation=None, config=None, deterministic_backward: bool = False,
+                 dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(f"num_heads must be an int >= 1; got {num_heads!r}")
         self.num_heads = num_heads
         self.scale = scale
         self.d_v = d_v
         self.implementation = implementation
+        self.config = config
         self.deterministic_backward = deterministic_backward
-        self.sink = nnx.Param(jnp.full((num_heads,), sink_init, jnp.float32)) if use_sink else None
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        sink = None
+        if use_sink:
+            if callable(sink_init):
+                if rngs is None:
+                    raise ValueError("sink_init is an initializer: SparseMLA needs rngs")
+                init = sink_init
+            else:
+                value = sink_init
+                init = lambda key, shape, dtype: jnp.full(shape, value, dtype)  # noqa: E731
+            if sink_sharding is not None:
+                init = nnx.with_partitioning(init, tuple(sink_sharding))
+            key = rngs.params() if rngs is not None else None
+            sink = nnx.Param(init(key, (num_heads,), param_dtype))
+            if tuple(sink.shape) != (num_heads,):
+                raise ValueError(f"sink_init must give shape ({num_heads},); got "
+                                 f"{tuple(sink.shape)}")
+        self.sink = sink
 
     def __call__(self, q, kv, idx, *, topk_length=None, return_lse: bool = False):
-        # No check of q's heads against num_heads: under shard_map a head-parallel shard holds
-        # H / n heads and the matching slice of the sink; sparse_mla checks that the two agree.
-        sink = None if self.sink is None else self.sink[...]
-        return sparse_mla(q, kv, idx, scale=self.scale, sink=sink, topk_length=topk_length,
-                          d_v=self.d_v, return_lse=return_lse, implementation=self.implementation,
+        sink = None
+        if self.sink is not None:
+            sink = self.sink[...]
+            # Under shard_map a head-parallel shard holds H / n heads and the matching slice of
+            # the sink, so q is checked against the sink it gets, not against num_heads.
+            if q.shape[-2] != sink.shape[0]:
+                raise ValueError(f"SparseMLA(num_heads={self.num_heads}) holds a sink for "
+                                 f"{sink.shape[0]} heads here, but q has {q.shape[-2]} heads "
+                                 f"(q shape {tuple(q.shape)})")
+            sink = sink.astype(jnp.promote_types(sink.dtype, jnp.float32))
+        dtype = self.dtype or jnp.promote_types(q.dtype, kv.dtype)
+        return sparse_mla(q.astype(dtype), kv.astype(dtype), idx, scale=self.scale, sink=sink,
+                          topk_length=topk_length, d_v=self.d_v, return_lse=return_lse,
+                          implementation=self.implementation, config=self.config,
                           deterministic=self.deterministic_backward)

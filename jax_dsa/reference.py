@@ -6,6 +6,8 @@ All functions here take the canonical batched layout
 and work on chunks of tokens, so that peak memory is O(chunk * K * Dqk), never O(T * K * Dqk).
 The backward is written out explicitly (docs/design.md) rather than obtained by
 differentiating through the gather: dkv is a scatter-add that drops invalid entries.
+Accumulation is in float32, or in float64 for float64 inputs (`acc_dtype`); lse, dkv and dsink
+come out in that dtype. A NaN anywhere (a sink included) reaches every output it touches.
 """
 from __future__ import annotations
 
@@ -23,6 +25,11 @@ def chunk_tokens(t: int, k: int, d: int, h: int, budget: int = _CHUNK_ELEMENTS) 
     return int(max(1, min(t, budget // max(1, k * (d + h)))))
 
 
+def acc_dtype(dtype):
+    """The accumulation dtype for inputs of `dtype`: float32, or float64 for float64."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def valid_mask(idx, topk_length, num_kv_rows: int):
     """[B, T, K] bool: entry is used iff 0 <= idx < S and its slot is below topk_length."""
     slot = lax.broadcasted_iota(jnp.int32, idx.shape, 2)
@@ -36,9 +43,9 @@ def _gather_rows(kv, idx, valid):
 
 
 def _scores(q, rows, valid, scale):
-    """fp32 scores [B, c, H, K], -inf at invalid slots."""
+    """Scores [B, c, H, K] in acc_dtype, -inf at invalid slots."""
     s = jnp.einsum("bthd,btkd->bthk", q, rows, precision=_HIGHEST,
-                   preferred_element_type=jnp.float32) * scale
+                   preferred_element_type=acc_dtype(q.dtype)) * scale
     return jnp.where(valid[:, :, None, :], s, -jnp.inf)
 
 
@@ -104,13 +111,14 @@ def _varying_like(x, *refs):
 
 
 def forward(q, kv, idx, topk_length, sink, *, scale: float, d_v: int, chunk: int | None = None):
-    """Returns (o [B, T, H, d_v] in q.dtype, lse [B, T, H] float32)."""
+    """Returns (o [B, T, H, d_v] in q.dtype, lse [B, T, H] in acc_dtype)."""
     b, t, h, d = q.shape
     s_rows = kv.shape[1]
     k = idx.shape[2]
+    acc = acc_dtype(q.dtype)
     chunk = chunk or chunk_tokens(t, k, d, h)
     (qc, ic, lc), pad = _chunked(chunk, q, idx, topk_length)
-    sink = sink.astype(jnp.float32)
+    sink = sink.astype(acc)
 
     def one_chunk(args):
         q_, i_, l_ = args
@@ -123,8 +131,8 @@ def forward(q, kv, idx, topk_length, sink, *, scale: float, d_v: int, chunk: int
         l = jnp.sum(p, axis=-1)
         denom = l + jnp.exp(sink[None, None, :] - m)
         o = jnp.einsum("bthk,btkd->bthd", p, rows[..., :d_v], precision=_HIGHEST,
-                       preferred_element_type=jnp.float32)
-        o = o / jnp.where(denom > 0, denom, 1.0)[..., None]
+                       preferred_element_type=acc)
+        o = o / jnp.where(denom == 0, 1.0, denom)[..., None]  # a NaN denominator stays NaN
         lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
         return o.astype(q.dtype), lse
 
@@ -137,18 +145,19 @@ def sink_split(sink, lse):
 
     1 - c is computed directly (not by subtraction), which keeps dsink accurate when the sink
     holds a small share. Dead rows (lse = -inf) give c = 0 with a sink and c = 1 without one
-    (sink = -inf); neither is NaN.
+    (sink = -inf); neither is NaN. A NaN sink gives NaN.
     """
-    gap = sink.astype(jnp.float32) - lse
-    gap = jnp.where(jnp.isnan(gap), -jnp.inf, gap)  # -inf - (-inf): no sink on a dead row
+    gap = sink.astype(lse.dtype) - lse
+    no_sink_dead_row = jnp.isneginf(sink) & jnp.isneginf(lse)  # -inf - (-inf)
+    gap = jnp.where(no_sink_dead_row, -jnp.inf, gap)
     return 1.0 / (1.0 + jnp.exp(gap)), 1.0 / (1.0 + jnp.exp(-gap))
 
 
 def backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale: float, d_v: int,
              chunk: int | None = None, deterministic: bool = False):
-    """Gradients of (o, lse) -> (dq [q.dtype], dkv float32, dsink per batch [B, H] float32).
+    """Gradients of (o, lse) -> (dq [q.dtype], dkv, dsink per batch [B, H]; both in acc_dtype).
 
-    dkv stays fp32 so that sharded callers can sum partial dkv across shards before the cast.
+    dkv stays in acc_dtype so that sharded callers can sum partial dkv across shards before the cast.
     deterministic: sum each kv row's contributions in a fixed order (XLA's GPU scatter-add uses
     atomics otherwise).
     """
@@ -156,8 +165,9 @@ def backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale: float, d
     b, t, h, d = q.shape
     s_rows = kv.shape[1]
     k = idx.shape[2]
+    acc = acc_dtype(q.dtype)
     chunk = chunk or chunk_tokens(t, k, d, h)
-    sink = sink.astype(jnp.float32)
+    sink = sink.astype(acc)
     (qc, ic, lc, oc, lsec, doc, dlsec), pad = _chunked(
         chunk, q, idx, topk_length, o, lse, do, dlse)
     # Rows that were padded on get valid=False through topk_length=0, so they scatter nothing.
@@ -170,18 +180,18 @@ def backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale: float, d
         live = jnp.isfinite(lse_)
         p_kv = jnp.where(live[..., None], jnp.exp(s - jnp.where(live, lse_, 0.0)[..., None]), 0.0)
         c, sink_share = sink_split(sink[None, None, :], lse_)
-        do32 = do_.astype(jnp.float32)
-        delta = jnp.sum(do32 * o_.astype(jnp.float32), axis=-1)
+        do32 = do_.astype(acc)
+        delta = jnp.sum(do32 * o_.astype(acc), axis=-1)
         dp = jnp.einsum("bthd,btkd->bthk", do32, rows[..., :d_v], precision=_HIGHEST,
-                        preferred_element_type=jnp.float32)
-        ds = p_kv * (c[..., None] * (dp - delta[..., None]) + dlse_.astype(jnp.float32)[..., None])
+                        preferred_element_type=acc)
+        ds = p_kv * (c[..., None] * (dp - delta[..., None]) + dlse_.astype(acc)[..., None])
         dq = scale * jnp.einsum("bthk,btkd->bthd", ds, rows, precision=_HIGHEST,
-                                preferred_element_type=jnp.float32)
+                                preferred_element_type=acc)
         # Per gathered slot: K part scale * dS^T q, V part p^T dO on the first d_v columns.
         drow = scale * jnp.einsum("bthk,bthd->btkd", ds, q_, precision=_HIGHEST,
-                                  preferred_element_type=jnp.float32)
+                                  preferred_element_type=acc)
         dv = jnp.einsum("bthk,bthd->btkd", c[..., None] * p_kv, do32, precision=_HIGHEST,
-                        preferred_element_type=jnp.float32)
+                        preferred_element_type=acc)
         drow = jnp.concatenate([drow[..., :d_v] + dv, drow[..., d_v:]], axis=-1)
         # Invalid slots point past the end and are dropped: nothing is ever written there.
         target = jnp.where(valid, i_, s_rows)
@@ -189,7 +199,7 @@ def backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale: float, d
         dsink = -jnp.sum(sink_share * delta, axis=1)  # [B, H]
         return dkv_acc, (dq.astype(q.dtype), dsink)
 
-    dkv0 = _varying_like(jnp.zeros((b, s_rows, d), jnp.float32), q, idx, do, dlse)
+    dkv0 = _varying_like(jnp.zeros((b, s_rows, d), acc), q, idx, do, dlse)
     dkv, (dq, dsink) = lax.scan(one_chunk, dkv0, (qc, ic, lc, oc, lsec, doc, dlsec))
     dsink = jnp.where(jnp.isneginf(sink)[None, :], 0.0, jnp.sum(dsink, axis=0))
     return _merge(dq, pad), dkv, dsink

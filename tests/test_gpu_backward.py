@@ -155,6 +155,20 @@ def test_backward_never_writes_outside_valid_rows(deterministic, h, d):
     assert np.all(np.asarray(dq, np.float32)[[0, 2]] == 0)
 
 
+@pytest.mark.parametrize("h", [16, 64])
+def test_nan_sink_gives_nan_gradients_on_the_kernel(h):
+    """A NaN sink reaches dsink for its head (and the gradients it touches) on the kernels."""
+    _kernel_or_skip()
+    rng = np.random.default_rng(h)
+    p = make_problem(rng, 1, 8, h, 512, 300, 64, sink=True, topk="partial", dead_row=False)
+    p.sink[3] = np.nan
+    w_o = rng.standard_normal((1, 8, h, 512)).astype(np.float32)
+    _, _, (dq, dkv, dsink) = _grads(p, jnp.bfloat16, "cute", w_o, np.zeros((1, 8, h), np.float32))
+    dsink, dq = np.asarray(dsink), np.asarray(dq, np.float32)
+    assert np.isnan(dsink[3]) and np.all(np.isfinite(np.delete(dsink, 3)))
+    assert np.all(np.isnan(dq[:, :, 3])) and np.all(np.isfinite(np.delete(dq, 3, axis=2)))
+
+
 def _bf16_step(x):
     """Distance from |x| to the next larger bf16 number (8 significant bits); 0 where x = 0."""
     x = np.abs(np.asarray(x, np.float64))

@@ -111,6 +111,20 @@ def test_both_forward_kernels_at_small_h_through_config(case):
     assert rel_err(outs["small_heads"], outs["pingpong"]) < 1e-2
 
 
+@pytest.mark.parametrize("h", [16, 64])
+def test_nan_sink_gives_nan_for_its_head_on_the_kernel(h):
+    """A NaN sink must reach o on the kernels as on the reference (both forward kernels)."""
+    _kernel_or_skip()
+    p = make_problem(np.random.default_rng(h), 1, 8, h, 512, 300, 64, sink=True, topk="partial",
+                     dead_row=False)
+    p.sink[3] = np.nan
+    q, kv, o, lse = _run_kernel(p, jnp.bfloat16)
+    o = np.asarray(o, np.float32)
+    assert np.all(np.isnan(o[:, :, 3])), "NaN sink must give NaN o"
+    others = [i for i in range(h) if i != 3]
+    assert np.all(np.isfinite(o[:, :, others])) and np.all(np.isfinite(np.asarray(lse)))
+
+
 def test_small_heads_config_refuses_large_h():
     _kernel_or_skip()
     from jax_dsa.cute import Config, FwdConfig
