@@ -10,7 +10,8 @@ the reference in a minute, it measures nothing of interest.
 changes the backward) and xla (the reference).
 
 For each shape (docs/performance.md: D = 512, window 128 + top-k, T = S = 4096 and the head
-counts of tensor-parallel shards) it prints the median time per call, TFLOP/s, TB/s, the
+counts of tensor-parallel shards; --long: the last 4096 positions of sequences of 8K-128K at
+the DeepSeek shapes; --decode: B sequences of 64K with one new token each) it prints the median time per call, TFLOP/s, TB/s, the
 compiled program's device memory (arguments + outputs + XLA temporaries) and the reference's
 time from the same run as a ratio; writes DIR/benchmark.md and DIR/benchmark.png.
 
@@ -47,25 +48,46 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax_dsa  # noqa: E402
 from jax_dsa import api  # noqa: E402
 
-D, D_V, WINDOW = 512, 512, 128
-# (label, H, top-k); T = S = 4096 unless --tokens says otherwise.
-SHAPES = [("V4-Flash H=64", 64, 512), ("V4-Pro H=128 k512", 128, 512),
-          ("V4-Pro H=128", 128, 1024), ("TP shard H=16", 16, 512), ("TP shard H=8", 8, 512),
-          ("H=1", 1, 512), ("H=24", 24, 512), ("H=32", 32, 512), ("H=48", 48, 512),
-          ("H=96", 96, 512), ("H=100", 100, 512)]
+D_V, WINDOW = 512, 128
+# (label, H, top-k, T, S, Dqk, B); T None: --tokens, S None: S = T.
+SHAPES = [("V4-Flash H=64", 64, 512, None, None, 512, 1),
+          ("V4-Pro H=128 k512", 128, 512, None, None, 512, 1),
+          ("V4-Pro H=128", 128, 1024, None, None, 512, 1),
+          ("TP shard H=16", 16, 512, None, None, 512, 1),
+          ("TP shard H=8", 8, 512, None, None, 512, 1)] + [
+          (f"H={h}", h, 512, None, None, 512, 1) for h in (1, 24, 32, 48, 96, 100)]
 QUICK = ["V4-Flash H=64", "V4-Pro H=128 k512", "V4-Pro H=128", "TP shard H=16", "TP shard H=8"]
+# --long: the last T = 4096 positions of a sequence of S (DeepSeek's long-context prefill).
+LONG = [("V3.2 S=8K", 128, 1920, 4096, 8192, 576, 1),
+        ("V3.2 S=128K", 128, 1920, 4096, 131072, 576, 1),
+        ("V4-Pro S=8K", 128, 1024, 4096, 8192, 512, 1),
+        ("V4-Pro S=64K", 128, 1024, 4096, 65536, 512, 1),
+        ("V4-Flash S=8K", 64, 512, 4096, 8192, 512, 1),
+        ("V4-Flash S=64K", 64, 512, 4096, 65536, 512, 1),
+        ("TP shard H=16 S=64K", 16, 512, 4096, 65536, 512, 1)]
+# --decode: B sequences of S, one new token each (T = 1).
+DECODE = [("decode B=8", 128, 1920, 1, 65536, 576, 8),
+          ("decode B=64", 128, 1920, 1, 65536, 576, 64),
+          ("decode V4-Flash B=32", 64, 512, 1, 65536, 512, 32)]
 
 
-def make_inputs(h, topk, tokens, seed=0):
+def make_inputs(h, topk, tokens, seq=None, d=512, batch=1, seed=0):
+    """q [B, T, H, d], kv [B, S, d] (bf16, random normal), idx [B, T, WINDOW + topk], sink [H]
+    and the number of valid entries. Token t sits at position S - T + t: its list is the WINDOW
+    positions ending at it (-1 before the start), then topk random rows of [0, S) (distinct when
+    S = T <= 8192, uniform with repeats otherwise)."""
     rng = np.random.default_rng(seed)
-    q = jnp.asarray(rng.standard_normal((1, tokens, h, D), np.float32), jnp.bfloat16)
-    kv = jnp.asarray(rng.standard_normal((1, tokens, D), np.float32), jnp.bfloat16)
-    t = np.arange(tokens)[:, None]
-    window = t - (WINDOW - 1) + np.arange(WINDOW)[None, :]
-    window = np.where(window >= 0, window, -1)
-    picks = np.argsort(rng.random((tokens, tokens)), axis=1)[:, :topk] if tokens <= 8192 else (
-        rng.integers(0, tokens, (tokens, topk)))
-    idx = np.concatenate([window, picks], axis=1).astype(np.int32)[None]
+    seq = tokens if seq is None else seq
+    q = jnp.asarray(rng.standard_normal((batch, tokens, h, d), np.float32), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((batch, seq, d), np.float32), jnp.bfloat16)
+    pos = (seq - tokens + np.arange(tokens))[None, :, None]
+    window = pos - (WINDOW - 1) + np.arange(WINDOW)[None, None, :]
+    window = np.broadcast_to(np.where(window >= 0, window, -1), (batch, tokens, WINDOW))
+    if seq == tokens <= 8192 and batch == 1:
+        picks = np.argsort(rng.random((tokens, tokens)), axis=1)[None, :, :topk]
+    else:
+        picks = rng.integers(0, seq, (batch, tokens, topk))
+    idx = np.concatenate([window, picks], axis=2).astype(np.int32)
     sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
     valid = int((idx >= 0).sum())  # fewer than T * (WINDOW + topk) when T < topk or T < WINDOW
     return q, kv, jnp.asarray(idx), sink, valid
@@ -130,6 +152,12 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="only the V4 and TP-shard shapes")
     parser.add_argument("--small", action="store_true",
                         help="CPU-sized: T = S = 256, H in {16, 64}, 2 batches of 2 calls")
+    parser.add_argument("--long", action="store_true",
+                        help="long context: the last 4096 positions of sequences of 8K-128K")
+    parser.add_argument("--decode", action="store_true",
+                        help="decode: B sequences of 64K, one token each")
+    parser.add_argument("--deterministic-long", action="store_true",
+                        help="with --long: also the deterministic backward (cute-det)")
     parser.add_argument("--heads", default="", help="comma-separated head counts to keep (default: all)")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--impls", default=None,
@@ -169,17 +197,25 @@ def main(argv=None):
     shapes = [s for s in SHAPES if not args.quick or s[0] in QUICK]
     if args.small:
         shapes = [s for s in SHAPES if s[0] in ("V4-Flash H=64", "TP shard H=16")]
+    if args.long or args.decode:
+        shapes = (LONG if args.long else []) + (DECODE if args.decode else [])
+        if args.deterministic_long and "cute" in impls and "cute-det" not in impls:
+            impls.append("cute-det")
     if args.heads:
         shapes = [s for s in shapes if str(s[1]) in args.heads.split(",")]
     rows = []
     passes_list = args.passes.split(",")
     total, done = len(shapes) * len(passes_list) * len(impls), 0
-    for label, h, topk in shapes:
-        q, kv, idx, sink, valid = make_inputs(h, topk, args.tokens)
-        k_mean = valid / args.tokens  # valid entries per token: the K of the FLOP count
-        flops_fwd = 2.0 * h * valid * (D + D_V)
-        bytes_fwd = 2.0 * (valid * D + q.size + q.size // D * D_V)
+    for label, h, topk, tokens, seq, d, batch in shapes:
+        tokens = tokens or args.tokens
+        seq = seq or tokens
+        q, kv, idx, sink, valid = make_inputs(h, topk, tokens, seq, d, batch)
+        k_mean = valid / (batch * tokens)  # valid entries per token: the K of the FLOP count
+        flops_fwd = 2.0 * h * valid * (d + D_V)
+        bytes_fwd = 2.0 * (valid * d + q.size + q.size // d * D_V)
         for passes in passes_list:
+            if passes != "fwd" and tokens == 1:
+                continue  # decode has no backward
             flops = flops_fwd * {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}[passes]
             times = {}
             for impl in impls:
@@ -189,7 +225,8 @@ def main(argv=None):
                 fn_args = make_args(q, kv, idx, sink)
                 t = time_call(fn, fn_args, args.calls, args.batches, args.batch_ms)
                 times[impl] = t
-                rows.append(dict(shape=label, h=h, k=round(k_mean), t=args.tokens, passes=passes,
+                rows.append(dict(shape=label, h=h, k=round(k_mean), t=tokens, s=seq, d=d, b=batch,
+                                 passes=passes,
                                  impl=impl, us=t * 1e6, tflops=flops / t / 1e12,
                                  tbs=bytes_fwd / t / 1e12 if passes == "fwd" else float("nan"),
                                  mem_mb=device_bytes(fn, fn_args) / 2**20))
@@ -206,14 +243,16 @@ def main(argv=None):
 def write_report(rows, args):
     os.makedirs(args.out, exist_ok=True)
     dev = jax.devices()[0]
-    head = (f"GPU/device: {dev.device_kind}; jax {jax.__version__}; "
-            f"{datetime.date.today().isoformat()}; T = S = {args.tokens}, B = 1, D = {D}, bf16, "
-            f"window {WINDOW} + top-k; median of {args.batches} batches of "
+    head = (f"GPU/device: {dev.device_kind}; jax {jax.__version__}; jax_dsa "
+            f"{jax_dsa.__version__}; {datetime.date.today().isoformat()}; bf16, d_v = {D_V}, "
+            f"window {WINDOW} + top-k random rows; median of {args.batches} batches of "
             f">= {args.calls} calls (about {args.batch_ms:g} ms per batch)")
-    lines = [head, "", "| shape | H | K | pass | impl | µs | TFLOP/s | TB/s | device MB | "
-             "speed-up vs reference |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [head, "", "| shape | H | K | B | T | S | Dqk | pass | impl | µs | TFLOP/s | TB/s | "
+             "device MB | speed-up vs reference |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['h']} | {r['k']} | {r['passes']} | {r['impl']} | "
+        lines.append(f"| {r['shape']} | {r['h']} | {r['k']} | {r['b']} | {r['t']} | {r['s']} | "
+                     f"{r['d']} | {r['passes']} | {r['impl']} | "
                      f"{r['us']:.0f} | {r['tflops']:.1f} | {r['tbs']:.2f} | {r['mem_mb']:.0f} | "
                      f"{r.get('vs_ref', float('nan')):.2f} |")
     with open(os.path.join(args.out, "benchmark.md"), "w") as f:
@@ -230,9 +269,9 @@ def read_report(path):
             if line.startswith("GPU/device:"):
                 head = line.strip()
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            if line.startswith("|") and len(cells) == 10 and cells[1].isdigit():
-                rows.append(dict(shape=cells[0], h=int(cells[1]), k=int(cells[2]), passes=cells[3],
-                                 impl=cells[4], us=float(cells[5])))
+            if line.startswith("|") and len(cells) == 14 and cells[1].isdigit():
+                rows.append(dict(shape=cells[0], h=int(cells[1]), k=int(cells[2]), passes=cells[7],
+                                 impl=cells[8], us=float(cells[9])))
     return head, rows
 
 

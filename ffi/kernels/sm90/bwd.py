@@ -1,117 +1,50 @@
-"""Sparse MLA (DSA) backward for sm_90a with warpgroup MMA (wgmma), role-split warpgroups.
-Launched by ffi/sparse_mla_bwd.cc (the mma.sync predecessor, v2, is in git history: 530849e).
+"""Sparse MLA backward for sm_90a: dq, dkv and delta for 64 head rows per CTA, one KV stage.
 
-Per row (b, t, h), with the forward's natural-log lse (sink excluded, -inf on dead rows) and o,
-and the caller's coef[..., 0] = c = 1 / (1 + exp(sink_h - lse)), coef[..., 1] = dlse (the lse
-cotangent):
+Per row (b, t, h), from the forward's lse (natural log, sink excluded, -inf on dead rows) and o,
+and coef = (c, dlse) with c = 1 / (1 + exp(sink_h - lse)):
+    delta = sum_d dO_d o_d (fp32, written out for the sink gradient),  D' = c delta - dlse,
+    p~_j = exp(scale q.k_j - lse) (0 for invalid entries, dead and padded rows),
+    dS_j = p~_j (c dO.v_j - D'),   dq = scale sum_j dS_j k_j,
+    dkv[row_j] += scale sum_h dS_j q_h  (+ sum_h c p~_j dO_h on the first 512 columns).
+Forms (each an export of ffi/build.py; jax_dsa/cute/config.py picks one): plain (fp32
+red.global.add into dkv, zero-filled by the caller); deterministic=True (the contribution of
+entry j of token bt and head block hb is stored, all Dqk columns, at workspace row
+((bt - t_begin) * K + j) * n_hb + hb, and dkv_reduce.py sums each kv row's run in a fixed
+order); group = 2 / 4 / 8 (the 64 rows are `group` consecutive tokens of 64 / group heads over
+their merged list, jax_dsa/cute/grouping.py; head row i sees an entry only if membership bit
+MEMBER_SHIFT + i // (64 / group) is set).
 
-    delta = sum_d dO_d o_d  (fp32; written to `delta` for the caller's sink gradient),
-    D' = c delta - dlse,
-    s_j = scale q.k_j,  p~_j = exp(s_j - lse) (0 for invalid entries / dead rows),
-    dP_j = dO.v_j,      dS_j = p~_j (c dP_j - D'),
-    dq = scale sum_j dS_j k_j,   dkv[row_j] += scale sum_h dS_j q_h  (+ sum_h c p~_j dO_h on :512)
+Grid (n_tok tokens from t_begin, ceil(H / 64) head blocks), 256 threads = 2 warpgroups, one CTA
+per SM (up to 255 registers a thread). Prologue: Q and dO to shared memory, block 0 gathered,
+delta per row. Per 64-row KV block n:
+  * WG0: S = Q K^T and dP = dO V^T (wgmma 64x64x16), dS; the 16-bit P and dS tiles to shared
+    memory (arrives ds_full); dQ[:, :256] += dS K with dS as the register A operand; refills
+    columns [0, 256) with block n + 1; dKV chunks [0, wg0_chunks).
+  * WG1: dQ[:, 256:Dqk] += dS K (both operands in shared memory, rope part included); refills
+    columns [256, Dqk); dKV chunks [wg0_chunks, n_ch); arrives ds_empty.
+  Each column range is refilled by its last reader, so the single stage needs no "kv empty"
+  barrier and block n + 1's gather runs under block n's dKV chunks. A dKV chunk (64 rows x 64
+  columns) is a wgmma over MN-major views of the resident tiles with ceil(live heads / 16)
+  k-steps (one of four straight-line sequences: a wgmma under a runtime condition would be
+  serialized), then a transpose inside the warp (Dqk 512: through a shared-memory scratch,
+  scatter_layout.py; 576: shuffles) so that each red.global.add.v4.f32 (deterministic:
+  st.global.v4.f32) of a warp covers 4 rows x 128 contiguous bytes. At Dqk 512 the chunks form
+  one rolling pipeline, chunk c + 1's MMA running under chunk c's scatter.
+Shared memory: Q 72 KB + dO 64 KB + one KV stage 72 KB + P and dS 16 KB + row slots = 224.5 KB
+at Dqk 576; 208.5 KB plus the 16 KB scatter scratch at 512. No spills, no local memory and no
+serialized wgmma (dev/check_kernel_build.py fails otherwise); no ACCUMULATE flag depends on a
+runtime condition. Scaling: bf16 folds scale into dS before rounding; fp16 keeps dS unscaled,
+stores P as c p~ / scale, and multiplies dQ and dKV by scale in fp32.
+Invariants: heads h >= H are zero rows of Q / dO (never read from global, p~ = 0, never
+stored); dead rows get zero gradients; invalid entries (j >= min(K, topk_length), idx < 0,
+idx >= S) are zero-filled rows with p~ = 0 and no RED or store; all offsets are 64-bit.
 
-Entry j of token t is valid when j < min(K, topk_length[b, t]) and 0 <= idx < S.
-
-Inputs are flattened on the host side: q (B*T*H, Dqk), kv (B*S, Dqk), idx (B*T*K,),
-topk_length (B*T,), lse (B*T*H,), do and o (B*T*H, 512), coef (B*T*H*2,); outputs dq
-(B*T*H, Dqk), dkv (B*S, Dqk) float32 (zero-filled by the caller), delta (B*T*H,) float32.
-
-Deterministic variant (deterministic=True): no atomics. The dkv argument is a workspace of
-n_tok * K * n_hb rows (n_hb = ceil(H / 64)); the contribution of entry j of token bt from head
-block hb is stored, all Dqk columns, at row ((bt - t_begin) * K + j) * n_hb + hb. Invalid entries
-store nothing. sparse_mla_dkv_reduce.py then sums each kv row's contributions in a fixed order.
-
-Grid: x = n_tok tokens starting at t_begin (bt = t_begin + blockIdx.x, b = bt // T), y = the
-ceil(H / 64) head blocks. 256 threads = 2 warpgroups with different roles (launched with
-min_blocks_per_mp=1, so each thread may use up to 255 registers):
-
-  prologue (both groups): Q and dO rows to smem (cp.async), the first block's gather, the o rows
-      to registers; delta per head row (4 threads each, quad shuffle) to smem and global
-
-  WG0 ("score" group) per 64-row KV block n:
-      S  = Q  K^T   wgmma 64x64x16, A = Q (smem, resident), B = gathered KV (smem)
-      dP = dO V^T   wgmma 64x64x16, A = dO (smem, resident)
-      P~ = exp2(S scale log2e - lse log2e), masked per KV row; dS = P~ (c dP - D')
-      writes the 16-bit P (= c P~) and dS tiles (64 heads x 64 rows) to smem, arrives ds_full
-      dQ[:, 0:256] += dS K[:, 0:256]   wgmma 64x256x16 with dS as the REGISTER A operand
-      gathers columns [0, 256) of block n + 1 (16-byte cp.async; 8 threads per row)
-      dKV chunks ch < wg0_chunks (3) of block n, as WG1 does below
-      (_dkv_block): WG0 had slack (it waited ~44 % of its time for WG1 before this split, ncu v6)
-  WG1 ("dKV" group) per block n:
-      waits ds_full(n) and kv_full(n)
-      dQ[:, 256:Dqk] += dS K[:, 256:Dqk]   wgmma 64x256x16 (+ 64x64x16 for the rope), SS
-      gathers columns [256, Dqk) of block n + 1
-      dKV_n[:, 64ch:64ch+64] = dS^T Q_ch (+ P^T dO_ch for ch < 8) for the remaining chunks
-          ch >= wg0_chunks, wgmma 64x64x16 with both
-          operands MN-major views of the same smem tiles (M = KV rows, K = heads), only
-          ceil(live_heads / 16) k-steps issued: padded heads cost no MMA here;
-          then the values are transposed inside the warp (Dqk 512: through a 2 KB
-          shared-memory scratch per warp, _scatter_smem; 576: three butterfly exchanges,
-          _scatter) so that each red.global.add.v4.f32 (deterministic: st.global.v4.f32) of
-          a warp covers 4 rows x 128 contiguous bytes
-      arrives ds_empty(n) (P/dS tiles and the row-index slot may be reused)
-
-  Each KV column range is refilled by the only group that still reads it: columns [0, 256) are
-  last read by WG0's dQ, [256, Dqk) by WG1's dQ (WG0's S/dP of that block finished before
-  ds_full). So there is no "kv empty" barrier; the refill of block n+1 overlaps WG1's dKV(n)
-  (the longest phase) and WG0's wait is only the gather latency not covered by that.
-  Synchronisation (mbarriers): kv_full (512 arrivals: every thread's cp.async.mbarrier.arrive
-  .noinc + a plain arrive releasing its zero fills / row flags), ds_full (128, WG0), ds_empty
-  (128, WG1). Generic-proxy writes (cp.async, st.shared) are published to wgmma with
-  fence.proxy.async (by the P/dS writers before ds_full, by every waiter after its wait).
-
-Shared memory (Dqk 576, 16-bit): Q 72 KB + dO 64 KB + one KV stage 72 KB + P 8 KB + dS 8 KB
-+ row flags 0.5 KB = 224.5 KB (Dqk 512: 208.5 KB). Q and dO must stay resident (S, dP and dKV
-read them every block), so only one 64-row KV stage fits in 227 KB; the pipeline hides the
-gather behind the dKV phase instead of a second stage.
-
-Per-block cost estimate (64 live heads, Dqk 512 as benchmarked; tensor core peak
-~2048 bf16 FMA/clk/SM, H200 ~1.9 GHz):
-  WG0: S 2.10 M FMA + dP 2.10 M + dQ half 1.05 M = 5.24 M FMA  (~2560 clk at peak)
-  WG1: dQ half 1.05 M + dKV 4.19 M                = 5.24 M FMA  (~2560 clk at peak)
-  total 10.5 M FMA = 5120 clk at peak; both groups issue asynchronously and share the tensor
-  cores. WG0's critical path per block: S/dP + softmax-grad (~300 clk) + dQ half + exposed
-  gather latency (the refill starts after dQ(n); ~1-1.5 k clk from L2, overlapped with WG1's
-  dKV). Expected ~5.5-6.5 k clk per block at 64 heads (~55-60 % of peak MMA), i.e.
-  T = S = 4096, K = 640 (10 blocks / token, 310 blocks per SM at 132 SMs):
-  H = 64: ~0.9-1.1 ms of MMA; H = 128: 2x; H = 16: WG0's S/dP/dQ still cost 64 rows
-  (wgmma M = 64) while dKV drops to 1 of 4 k-steps: ~4.3 k clk / block, ~0.7 ms.
-  The dkv scatter (2 KB of fp32 RED per gathered row, 5.4 GB at this shape) is issued by both
-  groups between their MMAs; the H200 adds at most ~3.75 TB/s of red.v4.f32 (measured,
-  docs/performance.md), a 1.42 ms floor at H = 64 / 16 (x2 at H = 128). Measured (v12): H = 64
-  2.45 ms, H = 16 2.08 ms, i.e. ~15 / ~13 kclk per block: each group's serial chain, not the
-  MMAs, and at H <= 16 mostly the REDs, decide.
-  smem operand traffic: SS wgmma 64x64x16 reads 4 KB per 32 clk (at the 128 B/clk limit),
-  64x256x16 10 KB per 128 clk; no ldmatrix traffic (v2: ~1.8 MB per block).
-
-Build facts (tools/check_kernel_build.py bwd:wg, CuTe DSL 4.8.1, sm_90a): 245-251 registers, no
-stack / local memory, 208.5 KB + 17 KB scatter scratch (Dqk 512) / 224.5 KB (576) dynamic
-smem + 1 KB static; SASS HGMMA 64x64x16 (S, dP, dKV, rope dQ) and 64x256x16 (dQ, one RS + one
-SS), REDG.E.ADD.F32x4 only (deterministic: STG.128 only). Two choices keep it spill-free: the
-dKV column-chunk loop is a runtime loop (unrolled, the invariant per-chunk state was hoisted out
-of the block loop and spilled ~1 KB), and the live-head count selects one of four straight-line
-wgmma groups (kh = 1..4 k-steps; a wgmma under a per-k runtime condition is serialized by
-ptxas). Every MMA accumulates into zero-filled fragments (ptxas turns the first one into a
-non-accumulating HGMMA), so no ACCUMULATE flag is changed inside runtime control flow.
-
-Scaling: bf16 folds scale into dS before rounding (dq and the dS^T Q term carry it); fp16 keeps
-dS unscaled (range) and stores P as c P~ / scale (<= Dqk**0.5, finite in fp16), so that the
-whole dKV accumulator, and dQ, are multiplied by scale in fp32 afterwards.
-
-(Candidate "wgq" / "wgg4q", 2026-11-30: a third warpgroup issued every dKV RED from chunks WG1
-staged in the transpose scratch; correct on the H200, 0.99x at H=16 over 7 A/B rounds, 1.00-1.02x
-at H=128. Removed; git history and docs/performance.md.)
-
-(An experimental variant "wgc" ran the two head blocks of a token as a 2-CTA cluster that summed
-their dKV partials over DSMEM before one RED per entry: correct on the H200 but 1.65-1.73x slower
-at H = 128, because the per-chunk hand-off chains both CTAs' slowest phases. Removed; git history
-and docs/performance.md.)
-
-Heads h >= H: zero rows of Q / dO in smem (never read from global), p~ = 0 (lse = +inf), never
-stored. Dead rows (lse = -inf): all gradients 0. Invalid entries (j >= min(K, topk_length),
-idx < 0, idx >= S): their smem rows are zero-filled (never read from global), p~ = 0, and no
-RED / store is issued for them. All global offsets are 64-bit.
+Why one long file: the gather, both dQ halves, the dKV chunk pipeline, the two scatter forms
+and the plain, deterministic and grouped forms are one kernel body, specialized at compile time
+(const_expr), so every export comes from one source and the forms cannot drift apart. The
+pipeline derivation and the per-block cost model: docs/kernel_log.md, "Design notes moved from
+the kernel modules". Entry point: compile_bwd(dtype, d_qk, deterministic=, group=, options=),
+arguments common.bwd_fake_args; launched by ffi/sparse_mla_bwd.cc.
 """
 
 import cutlass
@@ -123,8 +56,8 @@ import cuda.bindings.driver as cuda
 from jax_dsa.cute.constants import MEMBER_SHIFT as GROUP_SHIFT
 
 from .common import (LOG2_E, acc_mn_view, bwd_fake_args, chunk16, compile_options,
-                     cp_async_16_zfill, gather_source, red_add_v4_f32, red_add_v4_f32_if,
-                     st_global_v4_f32, st_global_v4_f32_if)
+                     cp_async_16_zfill, gather_source, load_block_indices, red_add_v4_f32,
+                     red_add_v4_f32_if, st_global_v4_f32, st_global_v4_f32_if)
 from .scatter_layout import SCRATCH_BYTES, SCRATCH_WARP_FLOATS, scratch_offset
 
 
@@ -303,22 +236,16 @@ class SparseMlaBwdSm90:
 
         return SharedStorage
 
+    @property
+    def _idx_walk(self):
+        """load_block_indices' (bn, step, passes) for this kernel's gather threads."""
+        return self.bn, self.g_rows, self.g_passes
+
     def _gather_mapping(self, gtid):
         """Gather thread mapping: 8 threads per row, rows grow + 16 p; (grow, gsub, index
         registers)."""
         return (gtid // self.g_tpr, gtid % self.g_tpr,
                 cute.make_rmem_tensor(self.g_passes, cutlass.Int32))
-
-    @cute.jit
-    def _load_idx(self, mIdx: cute.Tensor, idx_r: cute.Tensor, blk, k_eff: cutlass.Int32,
-                  idx_base: cutlass.Int64, grow: cutlass.Int32):
-        """idx_r[p] <- index of entry blk * 64 + grow + 16 p, or -1 past the valid length."""
-        for p in cutlass.range_constexpr(self.g_passes):
-            j = blk * self.bn + grow + self.g_rows * p
-            v = cutlass.Int32(-1)
-            if j < k_eff:
-                v = mIdx[idx_base + cutlass.Int64(j)]
-            idx_r[p] = v
 
     @cute.jit
     def _gather_row(self, idx_r: cute.Tensor, p: cutlass.Constexpr, S: cutlass.Int32,
@@ -345,9 +272,9 @@ class SparseMlaBwdSm90:
                 sRow: cute.Tensor, slot, write_rows: cutlass.Constexpr):
         """Columns [8 c_lo, 8 (c_lo + n_chunks)) of the block's rows grow + 16 p: 16-byte
         cp.async from kv[b, idx], or zeros for an invalid entry (src-size 0: nothing is read
-        from global). Every copy is one cp.async at constant offsets (v16, was candidate
-        "wgf": ~26-40 SASS instructions around a gather's 16 LDGSTS instead of ~190 of
-        swizzled address arithmetic): chunk gsub + 8 i of row grow + 16 p sits in column tile
+        from global). Every copy is one cp.async at constant offsets, so a gather is a few
+        instructions around its 16 LDGSTS rather than swizzled address arithmetic per copy:
+        chunk gsub + 8 i of row grow + 16 p sits in column tile
         c_lo / 8 + i, at row offset 128 (grow + 16 p) and swizzle slot gsub ^ (grow % 8)
         (dbase: that slot of row grow in tile 0; kv_addr: kv's base address)."""
         for p in cutlass.range_constexpr(self.g_passes):
@@ -469,7 +396,7 @@ class SparseMlaBwdSm90:
         grow, gsub, idx_r = self._gather_mapping(gtid)
         kv_addr = mKV.iterator.toint()
         g_dbase = storage.sKV.data_ptr().toint() + grow * 128 + ((gsub ^ (grow % 8)) * 16)
-        self._load_idx(mIdx, idx_r, 0, k_eff, idx_base, grow)
+        load_block_indices(mIdx, idx_r, 0, k_eff, idx_base, grow, *self._idx_walk)
         if n_blocks > 0:
             if wg == 0:
                 self._gather(kv_addr, g_dbase, idx_r, S, kv_batch, grow, gsub, 0,
@@ -480,9 +407,9 @@ class SparseMlaBwdSm90:
             cute.arch.cp_async_mbarrier_arrive_noinc(mbar + KV_FULL)
             cute.arch.mbarrier_arrive(mbar + KV_FULL)
         # The forward's O row, same columns as this thread's dO chunks, into registers (for
-        # delta = rowsum(dO * O)), overlapping the copies above. Issued after the gather: issued
-        # before the index loads they measured as slow as XLA's separate delta (likely because
-        # the wait for the indices then also waits for them: docs/performance.md, v8).
+        # delta = rowsum(dO * O)), overlapping the copies above. Issued after the gather: a wait
+        # for the index loads also waits for every load issued before them (scoreboards release
+        # in order), which would put o's DRAM latency on the first gather (docs/kernel_log.md).
         n_io = d_v // 8 // self.io_tpr
         rO = cute.make_rmem_tensor((8, n_io), self.dtype)
         rO.fill(0)
@@ -572,7 +499,8 @@ class SparseMlaBwdSm90:
             for blk in range(n_blocks):
                 slot = blk % 2
                 # next block's indices now; their latency hides behind the MMAs
-                self._load_idx(mIdx, idx_r, blk + 1, k_eff, idx_base, grow)
+                load_block_indices(mIdx, idx_r, blk + 1, k_eff, idx_base, grow,
+                                   *self._idx_walk)
                 cute.arch.mbarrier_wait(mbar + KV_FULL, blk % 2)
                 cute.arch.fence_proxy("async.shared", space="cta")
 
@@ -702,7 +630,7 @@ class SparseMlaBwdSm90:
 
         for blk in range(n_blocks):
             slot = blk % 2
-            self._load_idx(mIdx, idx_r, blk + 1, k_eff, idx_base, grow)
+            load_block_indices(mIdx, idx_r, blk + 1, k_eff, idx_base, grow, *self._idx_walk)
             cute.arch.mbarrier_wait(mbar + DS_FULL, blk % 2)
             cute.arch.mbarrier_wait(mbar + KV_FULL, blk % 2)
             cute.arch.fence_proxy("async.shared", space="cta")
@@ -798,10 +726,11 @@ class SparseMlaBwdSm90:
             else:
                 g_bases.append((kv_batch + cutlass.Int64(row)) * cutlass.Int64(self.d_qk))
             rows.append(row)
-        # Dqk 512 (default, `rolling`): one straight-line pipeline over the chunks. Otherwise
-        # (candidate `wgp`, v14) chunks in pairs: the second chunk's MMA runs while the first is
-        # scattered (no wgmma is in flight across the runtime loop's back edge: ptxas would
-        # serialize them, C7514). Dqk 576 keeps one chunk at a time: WG1's rope dQ accumulator
+        # Dqk 512 (`rolling`): one straight-line pipeline over the chunks. Otherwise a runtime
+        # loop: chunks in pairs where rope == 0 (the second chunk's MMA runs while the first is
+        # scattered; no wgmma is in flight across the loop's back edge, or ptxas would
+        # serialize them, C7514), a path no specialization takes since rope == 0 always
+        # selects `rolling`; Dqk 576 issues one chunk at a time: WG1's rope dQ accumulator
         # leaves no room for a second 64 x 64 one (ptxas spills).
         if cutlass.const_expr(self.rolling):
             # acc(c + 1) is issued into the other accumulator (its previous chunk, c - 1, was
@@ -939,10 +868,10 @@ class SparseMlaBwdSm90:
         """Add (or store) this thread's share of a 64 x 64 dKV chunk so that every 16-byte
         RED / store instruction of a warp covers 4 rows x 128 contiguous bytes (whole L2 lines).
 
-        Why: L2 processes a warp's reduction per 128-byte line touched. On the H200 a scatter of
-        576-float rows at random positions takes 2.63 ms per 6 GB when each instruction touches
-        16 rows x 32 B (the plain accumulator layout after one pairing shuffle), 1.93 ms at
-        8 x 64 B and 1.60 ms at 4 x 128 B (tools/red_scatter_bench.cu).
+        Why: L2 processes a warp's reduction per 128-byte line touched, so random-row adds are
+        fastest when each instruction covers whole lines: 4 rows x 128 B beats 8 x 64 B and the
+        plain accumulator layout's 16 x 32 B (dev/red_scatter_bench.cu; the numbers are in
+        docs/kernel_log.md, "line-wide RED").
 
         The accumulator of warp w holds, in lane l = 4 q + s (q = q2 q1 q0, s = s1 s0),
         v[rho][g2][g1][g0][c] = chunk row 16 w + q + 8 rho, column 8 (4 g2 + 2 g1 + g0) + 2 s + c.

@@ -1,6 +1,7 @@
-"""Pieces shared by the sm_90a kernels: accumulator and shared-memory views, inline PTX the DSL
-does not wrap, and the shape-only ("fake") argument lists the ahead-of-time compile entry points
-hand to cute.compile.
+"""Pieces shared by the sm_90a kernels: accumulator and shared-memory views, the gathers' index
+loads and row addresses, inline PTX the DSL does not wrap (zero-filling cp.async, vector fp32
+RED / stores, predicated forms), and the shape-only ("fake") argument lists the ahead-of-time
+compile entry points hand to cute.compile.
 
 The fake tensors fix each kernel's exported C signature (ffi/build.py, ffi/*.cc): flattened
 row-major views whose row counts are dynamic, 16-byte aligned where vector copies need it. Every
@@ -45,6 +46,21 @@ def ring_stage(base, layout, stage) -> cute.Tensor:
     512-element (1 KB) swizzle period, so the swizzle phase is unchanged."""
     off = cute.assume(stage * cute.cosize(layout), divby=512)
     return cute.make_tensor(base + off, layout)
+
+
+@cute.jit
+def load_block_indices(mIdx: cute.Tensor, dst: cute.Tensor, blk, k_eff: cutlass.Int32,
+                       idx_base: cutlass.Int64, row: cutlass.Int32, bn: cutlass.Constexpr,
+                       step: cutlass.Constexpr, passes: cutlass.Constexpr):
+    """dst[p] <- the index of entry blk * bn + row + step * p of the token's list (which starts
+    at idx_base), or -1 at and past k_eff (the valid length): a gather thread's rows of block
+    blk."""
+    for p in cutlass.range_constexpr(passes):
+        j = blk * bn + row + step * p
+        v = cutlass.Int32(-1)
+        if j < k_eff:
+            v = mIdx[idx_base + cutlass.Int64(j)]
+        dst[p] = v
 
 
 def quad_allreduce(x, op):

@@ -1,27 +1,27 @@
 """Deterministic dkv reduction for the sparse MLA backward (sm_90a, CuTe DSL).
 
-In deterministic mode the backward kernel does not add its dkv contributions atomically: for a
-chunk of tokens it stores the contribution of every valid entry (token bt, slot j) and head block
-hb as one fp32 row of a workspace,
+The deterministic backward (bwd.py, deterministic=True) adds nothing atomically: for a chunk of
+tokens it stores the fp32 contribution of every valid entry (token bt, slot j) and head block hb
+as one workspace row,
 
     ws[((bt - t_begin) * K + j) * n_hb + hb, :Dqk].
 
-The caller (JAX) sorts the chunk's entries by destination kv row with a stable sort, so the list
-of entries that hit one kv row is contiguous and always in the same (entry id) order:
+jax_dsa/cute/deterministic.py sorts the chunk's entries by destination kv row with a stable
+sort, so the entries of one kv row are contiguous and always in the same (entry id) order:
 
     order[p]    local entry id (bt - t_begin) * K + j of sorted position p
-    seg_end[p]  for the first position of a kv row's run: one past its last position; 0 elsewhere
+    seg_end[p]  at the first position of a kv row's run: one past its last position; 0 elsewhere
     rows[p]     destination row b * S + idx of that entry (only read at run starts)
 
-One warp per sorted position: a warp at a run start sums the run's workspace rows in order (and
-within an entry the head blocks in order) in fp32 registers, then adds the sum to dkv[row] with a
-plain read-modify-write. Exactly one warp owns a row within a chunk and chunks run one after the
-other on the stream, so every dkv element is a fixed sequence of fp32 additions: bitwise
-reproducible. Warps at other positions return at once. Invalid entries are not in any run (the
-sort puts them last with seg_end = 0): nothing is read or written for them.
+Grid ceil(n_pos / 8) CTAs of 8 warps, one warp per sorted position. A warp at a run start sums
+the run's workspace rows in order (and within an entry the head blocks in order) in fp32
+registers, 16-byte loads, then adds the sum to dkv[row] with a plain read-modify-write; warps at
+other positions return at once. One warp owns a row within a chunk and the chunks run one after
+the other on the stream, so every dkv element is a fixed sequence of fp32 additions: bitwise
+reproducible. Invalid entries are in no run (the sort puts them last with seg_end = 0): nothing
+is read or written for them. Offsets are 64-bit.
 
-Cost: the workspace is written once by the backward and read once here (fp32, Dqk per entry and
-head block), plus one read and write of each touched dkv row per chunk.
+Entry point: compile_dkv_reduce(d_qk); ffi/build.py exports it as jax_dsa_dkv_reduce_d<Dqk>.
 """
 
 import cutlass

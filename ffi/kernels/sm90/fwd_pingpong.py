@@ -1,25 +1,35 @@
-"""Sparse MLA forward for sm_90a, 64 heads per CTA (H > 32): warp-specialized ping-pong.
+"""Sparse MLA forward for sm_90a, 64 heads per CTA: warp-specialized ping-pong consumers.
 
-One CTA per (token, block of up to 64 heads): grid (T, ceil(H / 64), B), 384 threads, one CTA
-per SM. Warpgroup 0 is the producer (setmaxnreg 72): it gathers 64-row KV blocks by index with
-16-byte cp.async into a 2-stage ring (stage = block parity), zero-fills invalid rows and
-publishes per-row validity. Warpgroups 1 and 2 are consumers (setmaxnreg 216) that own the even
-and the odd blocks: each computes the whole 64 x 64 S of its block (wgmma 64x64x16), the two
-exchange row maxima as a chain through named barriers, and each accumulates its half of O
-(d_v columns [256 g, 256 g + 256)) over both blocks of a pair: P in registers for its own block
-(wgmma RS), from shared memory for the other (SS). The ring is released in column halves
-(L = 0..255, R = 256..Dqk-1) so the producer refills early. Row maxima are rescaled lazily
-(LAZY_RESCALE_LOG2). docs/kernels.md derives the schedule and its barrier protocol.
+For each (b, t, h): o = sum_j p_j v_j, with p the softmax of scale * q . k_j over the valid
+entries and the sink in the denominator only, and lse (natural log, sink excluded). The default
+forward for H > 32 (jax_dsa/cute/config.py); fwd_small_heads.py covers H <= 32.
 
+Grid (T, ceil(H / 64), B), 384 threads = 3 warpgroups, one CTA per SM:
+  * warpgroup 0, the producer (setmaxnreg 72): loads the indices and gathers 64-row KV blocks
+    with 16-byte cp.async into a 2-stage ring (stage = block parity). A stage has two column
+    halves, L = 0..255 and R = 256..Dqk-1, each with a full and an empty mbarrier; per pair of
+    blocks the halves are filled 0L, 1R, 0R, 1L, each once its readers released it. Invalid rows
+    are zero-filled; their validity flags go out with the first half of each stage.
+  * warpgroups 1 and 2, the consumers "WG0" / "WG1" of the comments (cg = 0 / 1, setmaxnreg
+    216), own the even / the odd blocks. Each computes its block's whole 64 x 64 S = Q K^T
+    (wgmma 64x64x16); the row maxima pass WG0 -> WG1 -> WG0 through named barriers once per
+    pair; each accumulates its half of O (d_v columns [256 cg, 256 cg + 256)) over both blocks
+    of the pair: its own P from registers (wgmma RS), the partner's from shared memory (SS).
+    Maxima are rescaled lazily (LAZY_RESCALE_LOG2).
 Shared memory: Dqk 576: Q 72 KB + 2 x 72 KB ring + 8 KB P1 tile (P0 sits in the dead rope
 columns of stage 0) = 224 KB; Dqk 512: 64 + 128 + 2 x 8 KB = 208 KB. Registers: 2 x 128 x 216 +
 128 x 72 = 64512, no spills. No wgmma group is in flight across a loop back edge (ptxas would
-serialize every wgmma, C7514).
+serialize every wgmma, warning C7514). The barrier protocol, the ring's release order and why a
+third stage does not fit: docs/kernel_log.md, "Design notes moved from the kernel modules".
 
-Contract: heads h >= H are zero Q rows, never stored (sink and lse accesses guarded); invalid
-slots (idx < 0, idx >= S, j >= topk_length) are never read and are masked to -inf; a row
-without valid entries gets o = 0 and lse = -inf; the sink enters the denominator only; all row
-offsets are 64-bit. Arguments: common.fwd_fake_args (flattened row-major views).
+Invariants: heads h >= H are zero Q rows, never stored (sink reads and lse stores guarded);
+invalid entries (idx < 0, idx >= S, j >= topk_length) are never read and score -inf; a row
+without a valid entry gets o = 0 and lse = -inf, never NaN; all row offsets are 64-bit. A token
+with an odd number of blocks runs its last pair without block 2m + 1 (the named barriers still
+run, so both consumers stay in step); a token without blocks runs the epilogue only.
+
+Entry point: compile_fwd_pingpong(dtype, d_qk), arguments common.fwd_fake_args (flattened
+row-major views); ffi/build.py exports it as jax_dsa_fwd_pingpong_<dtype>_d<Dqk>.
 """
 
 import cutlass
@@ -31,7 +41,7 @@ import cuda.bindings.driver as cuda
 from cutlass.cute.nvgpu import cpasync
 
 from .common import (LN_2, LOG2_E, acc_mn_view, chunk16, cp_async_16_zfill, fwd_fake_args,
-                     gather_source, quad_allreduce, ring_stage)
+                     gather_source, load_block_indices, quad_allreduce, ring_stage)
 
 CONSUMER_BAR = 1  # both consumer groups (Q ready, epilogue)
 BAR_M0 = 2  # WG0's new row max published (WG0 arrives, WG1 syncs)
@@ -111,6 +121,11 @@ class SparseMlaFwdPingPongSm90:
             stream=stream,
         )
 
+    @property
+    def _idx_walk(self):
+        """load_block_indices' (bn, step, passes) for the producer threads."""
+        return self.bn, self.p_rows, self.p_passes
+
     def _smem_layouts(self):
         """The 128 B K-major swizzle atom, then the outer layouts of Q, a KV stage, V^T (MN-major
         view of the same bytes), a P tile (the swizzle goes on the pointers: byte-address
@@ -164,24 +179,15 @@ class SparseMlaFwdPingPongSm90:
 
     # ------------------------------------------------------------------ producer
     @cute.jit
-    def _load_idx(self, mIdx: cute.Tensor, dst: cute.Tensor, blk, k_eff: cutlass.Int32,
-                  idx_base: cutlass.Int64, prow: cutlass.Int32):
-        for p in cutlass.range_constexpr(self.p_passes):
-            j = blk * self.bn + prow + self.p_rows * p
-            v = cutlass.Int32(-1)
-            if j < k_eff:
-                v = mIdx[idx_base + cutlass.Int64(j)]
-            dst[p] = v
-
-    @cute.jit
     def _load_pair_idx(self, mIdx: cute.Tensor, cur0: cute.Tensor, cur1: cute.Tensor, m,
                        k_eff: cutlass.Int32, idx_base: cutlass.Int64, prow: cutlass.Int32):
         """Pair m's indices (pair 0's were loaded at the CTA start; m >= pairs: all -1, nothing
-        read), at the top of pair m, right before its row addresses need them (loading them a
-        pair ahead, "ws2i", measured no faster twice)."""
+        read), at the top of pair m, right before its row addresses need them (their latency
+        hides behind the empty waits; loading them a pair earlier is no faster and holds 8 more
+        registers across the pair: docs/kernel_log.md)."""
         if m > 0:
-            self._load_idx(mIdx, cur0, 2 * m, k_eff, idx_base, prow)
-            self._load_idx(mIdx, cur1, 2 * m + 1, k_eff, idx_base, prow)
+            load_block_indices(mIdx, cur0, 2 * m, k_eff, idx_base, prow, *self._idx_walk)
+            load_block_indices(mIdx, cur1, 2 * m + 1, k_eff, idx_base, prow, *self._idx_walk)
 
     @cute.jit
     def _first_pair_indices(self, pre0: cute.Tensor, pre1: cute.Tensor, prow: cutlass.Int32,
@@ -217,9 +223,10 @@ class SparseMlaFwdPingPongSm90:
         writes the rows' validity flags. pre0 / pre1: the first pair's indices, loaded at the
         CTA start before k_eff was known.
 
-        Every copy is one cp.async at constant offsets from two registers (v16, was candidate
-        "ws2g": the fills issue ~16 instead of ~390 instructions, and a late half's fill sits
-        on the pair's chain between a release and the next Q K^T). Thread (prow, psub) copies
+        Every copy is one cp.async at constant offsets from two registers, so a half-stage fill
+        is a short run of instructions: the producer's warps share the schedulers with the
+        consumers' softmax, and a late half's fill sits on the pair's chain between a release
+        and the next Q K^T (docs/kernel_log.md). Thread (prow, psub) copies
         16-byte chunk psub + 8 i of rows prow + 16 p; in the K-major 128 B-swizzled stage
         (column tiles of 64 rows x 128 B) that chunk sits at tile i (+4 in the R half), row
         offset 128 (prow + 16 p), slot psub ^ (prow % 8): one per-thread shared base plus
@@ -372,15 +379,15 @@ class SparseMlaFwdPingPongSm90:
         stage_elems = cute.cosize(sKV_layout)
         idx_base = bt * cutlass.Int64(K)
         kv_batch = cutlass.Int64(b) * cutlass.Int64(S)
-        # Before topk_length is consumed (one HBM latency less before the first Q K^T; was
-        # candidate ws2q): the producer loads its first pair's indices (j < K stays inside idx;
-        # _produce masks them by k_eff) and the consumers issue their Q copies.
+        # Before topk_length is consumed (one HBM latency less before the first Q K^T): the
+        # producer loads its first pair's indices (j < K stays inside idx; _produce masks them
+        # by k_eff) and the consumers issue their Q copies.
         pre0 = cute.make_rmem_tensor(self.p_passes, cutlass.Int32)
         pre1 = cute.make_rmem_tensor(self.p_passes, cutlass.Int32)
         if wg == 0:
             prow = tidx // self.p_tpr
-            self._load_idx(mIdx, pre0, 0, K, idx_base, prow)
-            self._load_idx(mIdx, pre1, 1, K, idx_base, prow)
+            load_block_indices(mIdx, pre0, 0, K, idx_base, prow, *self._idx_walk)
+            load_block_indices(mIdx, pre1, 1, K, idx_base, prow, *self._idx_walk)
         else:
             self._issue_q(mQ, q_base, swz, sQ_layout, bt, h0, H, (tidx - 128) // self.tpr,
                           (tidx - 128) % self.tpr)
@@ -512,7 +519,7 @@ class SparseMlaFwdPingPongSm90:
                                   acc_O)
                     warpgroup.commit_group()
                     # Stage 0 L is free once the RS P V is: the producer refills it while this
-                    # group waits for WG1's max (v10 "early release").
+                    # group waits for WG1's max.
                     warpgroup.wait_group(0)
                     cute.arch.mbarrier_arrive(mbar + EMPTY_0L)
                     # WG1's pair max (>= m_own); factor f = exp2(m_own - m1), 0 if m_own = -inf
@@ -552,10 +559,10 @@ class SparseMlaFwdPingPongSm90:
                             cute.gemm(pv_ss, acc_O, tOrP_oth[None, None, k],
                                       tOrV_oth[None, None, k], acc_O)
                         warpgroup.commit_group()
-                    # Stage 1 L released when the SS P V ends, not after the next pair's 0 L
-                    # fill (ncu v9: WG1's wait for 1 L was its largest stall, 5.4 %). (The same
-                    # for WG1's 1 R, a wait before the P0 barrier, made ptxas serialize every
-                    # wgmma, C7514.)
+                    # Stage 1 L is released when the SS P V ends, not after the next pair's
+                    # 0 L fill, so WG1 does not wait for its refill (docs/kernel_log.md).
+                    # (Releasing WG1's 1 R as early needs a wait before the P0 barrier, which
+                    # makes ptxas serialize every wgmma, C7514.)
                     warpgroup.wait_group(0)
                     if m + 1 < n_pairs:
                         cute.arch.mbarrier_arrive(mbar + EMPTY_1L)
@@ -615,8 +622,8 @@ class SparseMlaFwdPingPongSm90:
                     for r in cutlass.range_constexpr(n_rows):
                         row_max[r] = m_own[r]
                     if has1:
-                        # O_1 += P1 V1[:, 256:] with P1 in registers, issued first (v10, as
-                        # FlashMLA orders it), then P1 to shared memory for WG0.
+                        # O_1 += P1 V1[:, 256:] with P1 in registers, issued first, then P1 to
+                        # shared memory for WG0.
                         rP.store(acc_S.load().to(self.dtype))
                         warpgroup.fence()
                         pv_rs.set(warpgroup.Field.ACCUMULATE, True)
@@ -627,8 +634,8 @@ class SparseMlaFwdPingPongSm90:
                         # A second conversion for the store, which the compiler merges with the
                         # first: stmatrix then reads the A registers of the in-flight wgmma.
                         # Reading them is harmless (only writes race) and ptxas adds no wait
-                        # (7 WARPGROUP.DEPBAR for 112 HGMMA); storing from rP directly once
-                        # made ptxas serialize every wgmma (C7514).
+                        # (7 WARPGROUP.DEPBAR for 112 HGMMA); storing from rP directly makes
+                        # ptxas serialize every wgmma (C7514).
                         rP1 = cute.make_fragment_like(acc_S, self.dtype)
                         rP1.store(acc_S.load().to(self.dtype))
                         cute.copy(r2s_p, r2s_p.retile(rP1), tPsP)

@@ -1,85 +1,35 @@
-"""Sparse MLA forward for sm_90a, few heads (H <= 32, a tensor-parallel shard): heads on wgmma's N.
+"""Sparse MLA forward for sm_90a, few heads (H <= 32, e.g. a tensor-parallel shard): heads on N.
 
-Same math, flattened arguments and compiled-callable signature as the ws kernels (so the FFI
-handler launches it unchanged); see sparse_mla_fwd.py for the contract. At H <= 32 the 64-head
-kernels compute 2-8x padded MMA work and the problem is bound by the row gather, so this kernel
-transposes both products to put the (padded) heads on the N side:
+The same outputs, arguments and invariants as fwd_pingpong.py; the default forward for H <= 32
+(jax_dsa/cute/config.py). With so few heads a 64-head tile would be mostly padding and the work
+is bound by the row gather, so both products are transposed to put the heads on wgmma's N side:
 
-    S^T (64 keys x NP heads)  = K (64 x Dqk, smem)  . Q^T        wgmma 64 x NP x 16, A and B in smem
-    O^T (512 x NP)           += V^T (512 x 64 keys) . P^T         wgmma 64 x NP x 16, V^T = MN-major
-                                                                  view of the same gathered bytes
+    S^T (64 keys x NP)  = K (64 x Dqk) . Q^T       wgmma 64 x NP x 16, A and B in shared memory
+    O^T (512 x NP)     += V^T (512 x 64) . P^T     wgmma 64 x NP x 16, V^T the MN-major view of
+                                                   the same gathered bytes, one m-tile per slab
 
-NP (8, 16, 24 or 32) is chosen at run time from H: one kernel per NP lives in the module and the
-host function launches the smallest that holds H. Heads h >= H are zero rows of Q (scores 0,
-finite), never stored.
+NP = H rounded up to 8, 16, 24 or 32: one kernel per NP, the host function launches the one that
+holds H (H > 32 launches nothing). Grid: ceil(B*T / tpc) CTAs, each walking tpc consecutive tokens
+(tpc = ceil(B*T / CTA_TARGET)); 128 x (lanes + 1) threads, one CTA per SM (shared memory).
+  * The last warpgroup is the producer: it loads Q (double-buffered by token parity) and the
+    indices of a round, and gathers 16-byte cp.async chunks into a ring of 8 KB slabs (64 keys x
+    64 columns; a block is nk = Dqk / 64 consecutive slabs, wrapping), as many slabs as fit next
+    to Q (18..25). Invalid rows and heads h >= H are zero-filled (src-size 0, nothing read).
+  * lanes consumer warpgroups (2, or 1 for NP 32 at Dqk 576 where the ring is too small) work on
+    alternate tokens and never gather: S^T, the mask (each checks its own two keys per block),
+    the online softmax per head column, P^T to shared memory, P V, and the epilogue, which
+    stores O straight from the accumulators for h < H. A slab is released right after its last
+    read (the rope slab after S^T, V slabs in pairs as the P V m-tiles complete).
+  * Registers: no setmaxnreg at 256 threads (255 each) or at 384 threads up to NP 24 (168 each);
+    NP 32 at Dqk 512 splits them, producer 40 / consumers 232.
+All roles follow one flat stream of blocks (_stream_pos gives the order): slab n of the stream
+is ring position n mod ring in its (n div ring)-th use, which sets every mbarrier parity, and
+ring >= max(2 nk, lanes * nk + 2 (lanes - 1)) keeps it deadlock-free; docs/kernel_log.md ("Design
+notes moved from the kernel modules") derives the slab ring, its phases and the block order.
+Dead rows get o = 0 and lse = -inf; the sink enters the denominator only; offsets are 64-bit.
 
-Two exports: "smallh2" (the default for H <= 32; lanes=2 for NP <= 24, and for NP 32 at Dqk 512
-with registers split by setmaxnreg) and "smallh" (lanes=1).
-With lanes=2 a CTA has two consumer warpgroups, each on alternate tokens of the CTA, fed by one
-producer from one slab ring (see _stream_pos for the order of the blocks). One consumer spends
-~4.5 kclk per 64-key block, mostly latency (S^T -> softmax -> P^T -> P V in turn, ~1 kclk of
-shared-memory traffic); the second consumer's tokens fill that time. Measured on the H200
-(T = S = 4096, K = 640, D = 512, smoke timing): H = 16 487 us (one consumer 702), H = 8 411 us
-(610); benchmark 537 / 448 us; H = 32 (NP 32 on two consumers) 721 us (one consumer ~880).
-
-Why this structure (v2; v1, in git history, had all 256 threads gather into 2 x 64-row stages and
-measured 0.93 ms at H = 16: ~1 block of gather in flight per SM, the index load on the issue path,
-5 CTA barriers per block). The problem is bound by the row gather (640 KB per token), so the kernel
-is organised to keep as many gathered bytes in flight per SM as shared memory allows:
-
-  * Warp specialization, 128 x (lanes + 1) threads, one CTA per SM (shared memory):
-      last WG = producer: only issues 16-byte cp.async gathers (8 threads per 128-byte row
-            segment: one instruction moves 4 whole 128 B lines); it loads the indices of a
-            round (block r of each consumer's token) together, one load latency per round, and
-            runs up to a ring ahead of the consumers, which hides it. Invalid slots
-            (idx < 0, idx >= S, j >= topk_length) use cp.async's src-size 0 form: 16 zero bytes,
-            nothing read from global memory. Heads h >= H of Q are zero-filled the same way.
-            Every shared-memory write of the producer is a cp.async, so completion is signalled
-            with cp.async.mbarrier.arrive.noinc alone (one per producer thread and buffer).
-      WG0 (and WG1) = consumer(s): wait on mbarriers, run both wgmma products, the online
-            softmax, the epilogue; they never gather. No setmaxnreg: 256 threads get 255
-            registers, 384 threads 168 (enough up to NP 24).
-  * The KV ring is made of *slabs*: 64 keys x 64 columns (8 KB, one 128 B-swizzle atom column of
-    a 64-row block). A 64-key block is nk = Dqk / 64 consecutive slabs of the ring (8 or 9, the
-    ring index wraps). This works because every wgmma k-step of S^T reads one slab, and the P V
-    m-tile for d rows [64 i, 64 i + 64) reads exactly slab i (its MN-major V^T view). So the
-    ring capacity need not be a whole number of 64 KB / 72 KB stages: each variant takes as many
-    slabs as fit next to its double-buffered Q (`_SmallHKernel.ring`: Dqk 512: 25/23/21/19 slabs
-    at NP 8/16/24/32, Dqk 576: 25/23/20/18, i.e. 2.0..3.1 blocks), so 72..136 KB stay in flight
-    while the consumer holds one block (v1: at most 64 KB, and only part of the time). Slabs are
-    released as soon as their last reader finishes: the rope slab (Dqk 576) right after S^T, the V slabs in
-    pairs as the P V m-tiles complete (one wgmma commit group per pair of m-tiles). The consumer
-    waits for all slabs of a block before its first S^T wgmma: a wait loop between wgmmas makes
-    ptxas serialize them (checked in the SASS: no WARPGROUP.DEPBAR inside the S^T chain).
-  * Phase bookkeeping: every slab (and every Q buffer) has a "full" and an "empty" mbarrier. All
-    roles agree on one flat stream of blocks of this CTA's tokens (a token with an empty index
-    list still has one all-invalid block; with two consumers the blocks of a token pair are
-    interleaved, _stream_pos), so slab n of the stream is ring position n mod RING in
-    its (n div RING)-th use: full waits parity (n div RING) & 1, the producer's empty wait for use
-    u >= 1 parity (u - 1) & 1. Nothing depends on token boundaries; a barrier can never run two
-    phases ahead of a waiter (each use needs the other side's previous hand-off). Arrival counts:
-    full = 128 (each producer thread one cp.async.mbarrier.arrive.noinc, which counts against the
-    expected count; every producer thread arrives once per buffer, whether or not it copied
-    anything), empty = 4 (lane 0 of each consumer warp after its wgmma.wait_group).
-    Deadlock freedom: the producer fills in stream order and RING >= 2 nk (two consumers:
-    2 nk + 2), so the slabs a consumer waits for never depend on slabs a consumer still holds.
-    With two consumers, "empty" of a slab is released by the consumer that read it; each has
-    its own P^T tile, max/sum scratch and named barrier (1 + lane).
-  * Q: double-buffered by token parity (with two consumers: one buffer per consumer), loaded by
-    the producer before the token's first block; the consumer releases a Q buffer after the
-    token's last S^T.
-  * The consumer validates its own two keys per block (the indices of the next block are loaded
-    one block ahead) and masks invalid ones to -inf; the zero-filled rows make P V finite.
-  * Softmax over keys (rows) per head (column): per-warp column max by 3 shuffles, the 4 warps'
-    maxima through shared memory (one 128-thread named barrier), exp2, P^T (16 bit, NP x 64,
-    K-major, 128 B swizzle) written to shared memory, fence.proxy.async, named barrier, P V.
-    The O^T rescale factor of a head is thread-local (O^T and S^T fragments share columns).
-  * Epilogue per token: column sums through shared memory, sink in the denominator only,
-    natural-log lse, O stored straight from the accumulators (16-bit stores, 8 consecutive d per
-    head and instruction) for h < H only; no shared-memory staging, so no slab is held.
-  * Generic-proxy smem writes read by wgmma: cp.async data is published by the mbarrier and the
-    consumer's fence.proxy.async after its waits; P^T by the writers' fence.proxy.async before
-    the named barrier.
+Entry point: compile_fwd_small_heads(dtype, d_qk), arguments common.fwd_fake_args; ffi/build.py
+exports it as jax_dsa_fwd_small_heads_<dtype>_d<Dqk>.
 """
 
 import cutlass

@@ -1,35 +1,32 @@
 """Union of the index lists of G consecutive tokens, for the grouped backward (sm_90a, CuTe DSL).
 
-The kernel form of jax_dsa.grouping.group_lists + pack_entries: per group the same multiset of
-union entries (row | membership bits << MEMBER_SHIFT) and the same length, in another order
-(the backward does not depend on the order). XLA's sort, scans and scatters cost ~0.4 ms for
-the benchmark's H = 16 lists (4096 tokens x 640 entries), more than the grouped backward saves.
+The kernel form of jax_dsa/cute/grouping.py (group_lists + pack_entries): per group the same
+multiset of union entries (row | membership bits << MEMBER_SHIFT) and the same length, in another
+order (the backward does not depend on the order). It is the default (BwdConfig.union =
+"kernel"): the XLA form's sort, scans and scatters cost more than grouping saves on the
+benchmark's H = 16 lists (docs/kernel_log.md).
 
-One CTA per group i (tokens G i .. G i + G - 1 of the flattened [B * T] tokens; T % G == 0, so
-a group never spans two batch rows), a hash table in shared memory:
-  1. every valid entry (slot j < min(K, topk_length), 0 <= row < S) of token g finds its row's
-     table slot (linear probing from row mod TABLE, claimed by atomic CAS) and adds 1 to that
-     slot's 16-bit count for token g (two counts per 32-bit word, atomic add; the words are
-     laid out [G / 2][TABLE], so a warp reading 32 consecutive slots hits 32 banks);
+Grid: one CTA of 512 threads per group i (tokens G i .. G i + G - 1 of the flattened B * T;
+T % G == 0, so a group never spans two batch rows), a hash table of TABLE slots in shared memory:
+  1. each thread loads BATCH entries, then inserts the valid ones (slot j < min(K, topk_length),
+     0 <= row < S): linear probing from row mod TABLE, slots claimed by atomic CAS, then 1 added
+     to the slot's 16-bit count for token g (two counts per 32-bit word, laid out [G / 2][TABLE]
+     so that a warp reading 32 consecutive slots hits 32 banks);
   2. a slot holding row r with counts c_g stands for max_g c_g union entries: entry occ
      (0 <= occ < max c) carries the bits of the tokens with c_g > occ (the n-th occurrence of a
      row in one token's list is its own softmax term; group_lists pairs them the same way);
-  3. warp w of the 16 owns slots [w TABLE / 16, (w + 1) TABLE / 16), read 32 consecutive slots
-     (one per lane) at a time: a first pass sums the warp's entries, the warp totals give each warp its
-     first output position, a second pass places each lane's entries by a warp prefix sum
-     (shuffles) of the round; out[i, :length] = the entries in slot order, -1 after,
-     length[i] = their number. (A first version gave each thread 32 consecutive slots: every
-     shared-memory read was a 32-way bank conflict and the kernel took 118 us on the
-     benchmark's lists; the second, with each thread's inserts waiting on one global load at a
-     time, 86 us.)
-Rows land at slot row mod TABLE (or the next free one), so the output is close to row order
-for S <= TABLE. Load factor <= G * K / TABLE <= 0.75: each group size is exported with every
-table size of TABLES, and the handler runs the smallest that holds G * K at that load and has
-S <= TABLE (no two rows share a home slot), the largest if S exceeds them all. Clearing and
-scanning the table is most of the work (at H = 32, G * K = 1280: 76 us per call with 8192
-slots), but a table smaller than S is slower still: rows r and r + TABLE collide and the
-window's consecutive rows fill one long probe run (2048 slots at S = 4096: 0.40 ms).
-CAPACITY (3/4 of the largest table) is the bound on G * K.
+  3. warp w of the 16 owns slots [w TABLE / 16, (w + 1) TABLE / 16) and reads them 32 at a time,
+     one per lane: a first pass counts the warp's entries, the warp totals give each warp its
+     first output position, a second pass places each lane's entries by a warp prefix sum;
+     out[i, :length] = the entries in slot order, -1 after; length[i] = their number.
+Rows land at slot row mod TABLE (or the next free one), so the output is close to row order for
+S <= TABLE. Each group size is exported with every table size of TABLES; the handler runs the
+smallest with G * K <= 3/4 TABLE and S <= TABLE (no two rows share a home slot: otherwise the
+window's consecutive rows fill one long probe run), the largest if S exceeds them all. Clearing
+and scanning the table is most of the work. CAPACITY (3/4 of the largest table) bounds G * K.
+
+Entry point: compile_group_union(group, table); ffi/build.py exports it as
+jax_dsa_group_union_g<G>_t<TABLE>.
 """
 
 import cutlass

@@ -1,7 +1,8 @@
-"""The shared-memory layout of the backward's dKV transpose scratch
-(sparse_mla_bwd_wgmma._scatter_smem, used at Dqk 512). Plain Python, no CuTe import: the kernel
+"""The shared-memory layout of the backward's dKV transpose scratch (bwd.py,
+SparseMlaBwdSm90._scatter_smem, used at Dqk 512). Plain Python, no CuTe import: the kernel
 evaluates scratch_offset on DSL integers, tests/test_scatter_transpose.py on Python ints (it
-runs in CI, where the kernel modules' nvidia-cutlass-dsl is only in the build environment)."""
+runs without nvidia-cutlass-dsl, which only the kernel build needs).
+"""
 
 
 def scratch_offset(row, col):
