@@ -84,7 +84,7 @@ def test_dispatch_on_cpu_uses_reference_and_cute_raises():
     if api.kernel_runtime_problem() is None:
         pytest.skip("a Hopper GPU with the kernels is present")
     q, kv, idx = _args(d=512, dtype=jnp.bfloat16)
-    assert api._resolve_implementation(None, q, kv, 512) == "xla"
+    assert jax_dsa.explain(q, kv, idx).implementation == "xla"
     np.testing.assert_array_equal(jax_dsa.sparse_mla(q, kv, idx),
                                   jax_dsa.sparse_mla(q, kv, idx, implementation="xla"))
     with pytest.raises(NotImplementedError, match="implementation='cute' cannot run here"):

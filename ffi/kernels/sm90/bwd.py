@@ -98,7 +98,7 @@ DS_EMPTY = 2
 
 class SparseMlaBwdSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                 group: int = 1):
+                 group: int = 1, interleave_heads: bool = False):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -138,6 +138,9 @@ class SparseMlaBwdSm90:
         # Dqk 512: _dkv_block is one unrolled rolling pipeline (chunk c + 1's MMA issued before
         # chunk c's scatter); Dqk 576 issues the chunks one at a time (pairs spill).
         self.rolling = self.rope == 0
+        # interleave_heads: grid x runs (token, head block) with the head blocks of a token
+        # adjacent, so that a token's CTAs add to the same dkv rows close in time (in L2).
+        self.interleave_heads = interleave_heads
 
 
     # ---------------------------------------------------------------- host side
@@ -201,6 +204,9 @@ class SparseMlaBwdSm90:
         dkv_mma = sm90_utils.make_trivial_tiled_mma(dt, dt, MN_, MN_, F32, (1, 1, 1), (64, 64))
 
         n_hb = (H + self.bm - 1) // self.bm
+        grid = [n_tok, n_hb, 1]
+        if cutlass.const_expr(self.interleave_heads):
+            grid = [n_tok * n_hb, 1, 1]
         self.kernel(
             mQ, mKV, mIdx, mLen, mLse, mDO, mO, mCoef, mDQ, mDKV, mDelta, T, H, S, K, t_begin,
             n_hb,
@@ -210,7 +216,7 @@ class SparseMlaBwdSm90:
             sO_layout, sOh_layout, sOr_layout,
             sdp_mma, dq0_mma, dq1_mma, dqr_mma, dkv_mma, SharedStorage,
         ).launch(
-            grid=[n_tok, n_hb, 1],
+            grid=grid,
             block=[self.threads, 1, 1],
             # (+ 1 KB: room for any alignment padding before the scratch array)
             smem=SharedStorage.size_in_bytes() + (SCRATCH_BYTES + 1024 if self.smem_scatter
@@ -329,6 +335,9 @@ class SparseMlaBwdSm90:
         d_qk, d_v = self.d_qk, self.d_v
         tidx, _, _ = cute.arch.thread_idx()
         tok, hb, _ = cute.arch.block_idx()
+        if cutlass.const_expr(self.interleave_heads):
+            hb = tok % n_hb
+            tok = tok // n_hb
         wg = tidx // 128
         gtid = tidx % 128
         h0 = hb * bm
@@ -726,12 +735,9 @@ class SparseMlaBwdSm90:
             else:
                 g_bases.append((kv_batch + cutlass.Int64(row)) * cutlass.Int64(self.d_qk))
             rows.append(row)
-        # Dqk 512 (`rolling`): one straight-line pipeline over the chunks. Otherwise a runtime
-        # loop: chunks in pairs where rope == 0 (the second chunk's MMA runs while the first is
-        # scattered; no wgmma is in flight across the loop's back edge, or ptxas would
-        # serialize them, C7514), a path no specialization takes since rope == 0 always
-        # selects `rolling`; Dqk 576 issues one chunk at a time: WG1's rope dQ accumulator
-        # leaves no room for a second 64 x 64 one (ptxas spills).
+        # Dqk 512 (`rolling`): one straight-line pipeline over the chunks. Dqk 576 issues one
+        # chunk at a time in a runtime loop: WG1's rope dQ accumulator leaves no room for a
+        # second 64 x 64 one (ptxas spills).
         if cutlass.const_expr(self.rolling):
             # acc(c + 1) is issued into the other accumulator (its previous chunk, c - 1, was
             # scattered in the step before) and runs under scatter(c); all straight-line, so
@@ -749,18 +755,7 @@ class SparseMlaBwdSm90:
                 self._scatter_any(accs[(ch - ch_lo) % 2], lane, rows, g_bases, ch,
                                   out_scale, mDKV, scr)
         else:
-            n_pairs = (ch_hi - ch_lo) // 2 if self.rope == 0 else 0
-            for i in cutlass.range(n_pairs, unroll=1):
-                ch = ch_lo + 2 * i
-                acc0 = self._dkv_issue(dkv_mma, thr_kv, acc_kv_shape, tKrDS, tKrP, q_sw, do_sw,
-                                       sTt_layout, kh, ch)
-                acc1 = self._dkv_issue(dkv_mma, thr_kv, acc_kv_shape, tKrDS, tKrP, q_sw, do_sw,
-                                       sTt_layout, kh, ch + 1)
-                warpgroup.wait_group(1)
-                self._scatter_any(acc0, lane, rows, g_bases, ch, out_scale, mDKV, scr)
-                warpgroup.wait_group(0)
-                self._scatter_any(acc1, lane, rows, g_bases, ch + 1, out_scale, mDKV, scr)
-            for ch in cutlass.range(ch_lo + 2 * n_pairs, ch_hi, unroll=1):
+            for ch in cutlass.range(ch_lo, ch_hi, unroll=1):
                 acc = self._dkv_issue(dkv_mma, thr_kv, acc_kv_shape, tKrDS, tKrP, q_sw, do_sw,
                                       sTt_layout, kh, ch)
                 warpgroup.wait_group(0)
@@ -903,8 +898,9 @@ class SparseMlaBwdSm90:
 
 # -------------------------------------------------------------------- AOT compile entry
 def compile_bwd(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                group: int = 1, options: str | None = None):
+                group: int = 1, interleave_heads: bool = False, options: str | None = None):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
-    return cute.compile(SparseMlaBwdSm90(dtype, d_qk, d_v, deterministic, group=group),
+    return cute.compile(SparseMlaBwdSm90(dtype, d_qk, d_v, deterministic, group=group,
+                                         interleave_heads=interleave_heads),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))

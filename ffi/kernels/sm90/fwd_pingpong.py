@@ -60,8 +60,11 @@ EMPTY_0L, EMPTY_0R, EMPTY_1L, EMPTY_1R = 4, 5, 6, 7
 
 
 class SparseMlaFwdPingPongSm90:
-    def __init__(self, dtype, d_qk: int, d_v: int = 512):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512, interleave_heads: bool = False):
         assert d_v == 512 and d_qk in (512, 576)
+        # interleave_heads: grid x runs (token, head block) with the head blocks of a token
+        # adjacent, so that a token's CTAs gather its rows close in time (one L2 fill).
+        self.interleave_heads = interleave_heads
         self.dtype = dtype
         self.d_qk = d_qk
         self.d_v = d_v
@@ -108,13 +111,16 @@ class SparseMlaFwdPingPongSm90:
         SharedStorage, qk_mma, pv_rs, pv_ss = self._storage_and_mmas(
             sQ_layout, sKV_layout, sP_layout)
         n_head_blocks = (H + self.bm - 1) // self.bm
+        grid = [T, n_head_blocks, B]
+        if cutlass.const_expr(self.interleave_heads):
+            grid = [T * n_head_blocks, 1, B]
         kernel = self.kernel(
             mQ, mKV, mIdx, mLen, mSink, mO, mLse, T, H, S, K, scale * LOG2_E,
             k_atom.inner, sQ_layout.outer, sKV_layout.outer, sVt_layout.outer, sP_layout.outer,
             sO_layout, sOg_layout, qk_mma, pv_rs, pv_ss, SharedStorage,
         )
         kernel.launch(
-            grid=[T, n_head_blocks, B],
+            grid=grid,
             block=[self.threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             min_blocks_per_mp=1,
@@ -363,6 +369,10 @@ class SparseMlaFwdPingPongSm90:
         bm, bn = self.bm, self.bn
         tidx, _, _ = cute.arch.thread_idx()
         t, hb, b = cute.arch.block_idx()
+        if cutlass.const_expr(self.interleave_heads):
+            n_hb = (H + bm - 1) // bm
+            hb = t % n_hb
+            t = t // n_hb
         wg = tidx // 128
         h0 = hb * bm
         bt = cutlass.Int64(b) * cutlass.Int64(T) + cutlass.Int64(t)
@@ -757,8 +767,8 @@ class SparseMlaFwdPingPongSm90:
                 cute.copy(st_atom, chunk16(sO, crow, c), chunk16(mO, o_row, c))
 
 
-def compile_fwd_pingpong(dtype, d_qk: int, d_v: int = 512):
+def compile_fwd_pingpong(dtype, d_qk: int, d_v: int = 512, interleave_heads: bool = False):
     """Compile with shape-only tensors (common.fwd_fake_args)."""
-    return cute.compile(SparseMlaFwdPingPongSm90(dtype, d_qk, d_v),
+    return cute.compile(SparseMlaFwdPingPongSm90(dtype, d_qk, d_v, interleave_heads),
                         *fwd_fake_args(dtype, d_qk, d_v))
 
