@@ -170,8 +170,9 @@ inline std::string CheckInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& kv
   if (ld.size() != 2 || ld[0] != B || ld[1] != T)
     return "topk_length must be [B, T], got " + Dims(ld);
   // Kernel scalars are int32; the flattened token b * T + t is the grid's x index.
-  if (B * T > INT32_MAX || S > INT32_MAX || K > INT32_MAX || B > 65535)
-    return "B must be <= 65535 and B * T, S, K < 2^31";
+  // The grids run a token's head blocks next to each other on x: B * T * ceil(H / 64) CTAs.
+  if (B * T * ((H + 63) / 64) > INT32_MAX || S > INT32_MAX || K > INT32_MAX || B > 65535)
+    return "B must be <= 65535 and B * T * ceil(H / 64), S, K < 2^31";
   *x = Extents{B, T, H, D, S, K};
   return std::string();
 }

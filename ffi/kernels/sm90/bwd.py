@@ -14,7 +14,8 @@ order); group = 2 / 4 / 8 (the 64 rows are `group` consecutive tokens of 64 / gr
 their merged list, jax_dsa/cute/grouping.py; head row i sees an entry only if membership bit
 MEMBER_SHIFT + i // (64 / group) is set).
 
-Grid (n_tok tokens from t_begin, ceil(H / 64) head blocks), 256 threads = 2 warpgroups, one CTA
+Grid (n_tok tokens from t_begin x ceil(H / 64) head blocks, a token's head blocks adjacent),
+256 threads = 2 warpgroups, one CTA
 per SM (up to 255 registers a thread). Prologue: Q and dO to shared memory, block 0 gathered,
 delta per row. Per 64-row KV block n:
   * WG0: S = Q K^T and dP = dO V^T (wgmma 64x64x16), dS; the 16-bit P and dS tiles to shared
@@ -98,7 +99,7 @@ DS_EMPTY = 2
 
 class SparseMlaBwdSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                 group: int = 1, interleave_heads: bool = False):
+                 group: int = 1):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -138,9 +139,6 @@ class SparseMlaBwdSm90:
         # Dqk 512: _dkv_block is one unrolled rolling pipeline (chunk c + 1's MMA issued before
         # chunk c's scatter); Dqk 576 issues the chunks one at a time (pairs spill).
         self.rolling = self.rope == 0
-        # interleave_heads: grid x runs (token, head block) with the head blocks of a token
-        # adjacent, so that a token's CTAs add to the same dkv rows close in time (in L2).
-        self.interleave_heads = interleave_heads
 
 
     # ---------------------------------------------------------------- host side
@@ -204,9 +202,9 @@ class SparseMlaBwdSm90:
         dkv_mma = sm90_utils.make_trivial_tiled_mma(dt, dt, MN_, MN_, F32, (1, 1, 1), (64, 64))
 
         n_hb = (H + self.bm - 1) // self.bm
-        grid = [n_tok, n_hb, 1]
-        if cutlass.const_expr(self.interleave_heads):
-            grid = [n_tok * n_hb, 1, 1]
+        # Grid x runs (token, head block) with the head blocks of a token adjacent: a token's
+        # CTAs add to the same dkv rows close in time, while those are in L2.
+        grid = [n_tok * n_hb, 1, 1]
         self.kernel(
             mQ, mKV, mIdx, mLen, mLse, mDO, mO, mCoef, mDQ, mDKV, mDelta, T, H, S, K, t_begin,
             n_hb,
@@ -334,10 +332,9 @@ class SparseMlaBwdSm90:
         bm, bn = self.bm, self.bn
         d_qk, d_v = self.d_qk, self.d_v
         tidx, _, _ = cute.arch.thread_idx()
-        tok, hb, _ = cute.arch.block_idx()
-        if cutlass.const_expr(self.interleave_heads):
-            hb = tok % n_hb
-            tok = tok // n_hb
+        th, _, _ = cute.arch.block_idx()
+        hb = th % n_hb
+        tok = th // n_hb
         wg = tidx // 128
         gtid = tidx % 128
         h0 = hb * bm
@@ -898,9 +895,8 @@ class SparseMlaBwdSm90:
 
 # -------------------------------------------------------------------- AOT compile entry
 def compile_bwd(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                group: int = 1, interleave_heads: bool = False, options: str | None = None):
+                group: int = 1, options: str | None = None):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
-    return cute.compile(SparseMlaBwdSm90(dtype, d_qk, d_v, deterministic, group=group,
-                                         interleave_heads=interleave_heads),
+    return cute.compile(SparseMlaBwdSm90(dtype, d_qk, d_v, deterministic, group=group),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))

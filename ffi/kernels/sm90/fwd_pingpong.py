@@ -4,7 +4,8 @@ For each (b, t, h): o = sum_j p_j v_j, with p the softmax of scale * q . k_j ove
 entries and the sink in the denominator only, and lse (natural log, sink excluded). The default
 forward for H > 32 (jax_dsa/cute/config.py); fwd_small_heads.py covers H <= 32.
 
-Grid (T, ceil(H / 64), B), 384 threads = 3 warpgroups, one CTA per SM:
+Grid (T * ceil(H / 64), 1, B), a token's head blocks adjacent; 384 threads = 3 warpgroups,
+one CTA per SM:
   * warpgroup 0, the producer (setmaxnreg 72): loads the indices and gathers 64-row KV blocks
     with 16-byte cp.async into a 2-stage ring (stage = block parity). A stage has two column
     halves, L = 0..255 and R = 256..Dqk-1, each with a full and an empty mbarrier; per pair of
@@ -60,11 +61,8 @@ EMPTY_0L, EMPTY_0R, EMPTY_1L, EMPTY_1R = 4, 5, 6, 7
 
 
 class SparseMlaFwdPingPongSm90:
-    def __init__(self, dtype, d_qk: int, d_v: int = 512, interleave_heads: bool = False):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512):
         assert d_v == 512 and d_qk in (512, 576)
-        # interleave_heads: grid x runs (token, head block) with the head blocks of a token
-        # adjacent, so that a token's CTAs gather its rows close in time (one L2 fill).
-        self.interleave_heads = interleave_heads
         self.dtype = dtype
         self.d_qk = d_qk
         self.d_v = d_v
@@ -111,9 +109,9 @@ class SparseMlaFwdPingPongSm90:
         SharedStorage, qk_mma, pv_rs, pv_ss = self._storage_and_mmas(
             sQ_layout, sKV_layout, sP_layout)
         n_head_blocks = (H + self.bm - 1) // self.bm
-        grid = [T, n_head_blocks, B]
-        if cutlass.const_expr(self.interleave_heads):
-            grid = [T * n_head_blocks, 1, B]
+        # Grid x runs (token, head block) with the head blocks of a token adjacent: a token's
+        # CTAs gather the same rows close in time, so the second finds them in L2.
+        grid = [T * n_head_blocks, 1, B]
         kernel = self.kernel(
             mQ, mKV, mIdx, mLen, mSink, mO, mLse, T, H, S, K, scale * LOG2_E,
             k_atom.inner, sQ_layout.outer, sKV_layout.outer, sVt_layout.outer, sP_layout.outer,
@@ -368,11 +366,10 @@ class SparseMlaFwdPingPongSm90:
     ):
         bm, bn = self.bm, self.bn
         tidx, _, _ = cute.arch.thread_idx()
-        t, hb, b = cute.arch.block_idx()
-        if cutlass.const_expr(self.interleave_heads):
-            n_hb = (H + bm - 1) // bm
-            hb = t % n_hb
-            t = t // n_hb
+        th, _, b = cute.arch.block_idx()
+        n_hb = (H + bm - 1) // bm
+        hb = th % n_hb
+        t = th // n_hb
         wg = tidx // 128
         h0 = hb * bm
         bt = cutlass.Int64(b) * cutlass.Int64(T) + cutlass.Int64(t)
@@ -767,8 +764,8 @@ class SparseMlaFwdPingPongSm90:
                 cute.copy(st_atom, chunk16(sO, crow, c), chunk16(mO, o_row, c))
 
 
-def compile_fwd_pingpong(dtype, d_qk: int, d_v: int = 512, interleave_heads: bool = False):
+def compile_fwd_pingpong(dtype, d_qk: int, d_v: int = 512):
     """Compile with shape-only tensors (common.fwd_fake_args)."""
-    return cute.compile(SparseMlaFwdPingPongSm90(dtype, d_qk, d_v, interleave_heads),
+    return cute.compile(SparseMlaFwdPingPongSm90(dtype, d_qk, d_v),
                         *fwd_fake_args(dtype, d_qk, d_v))
 
