@@ -1,9 +1,11 @@
 """jax_dsa: DeepSeek sparse attention (sparse MLA) for JAX, with Hopper kernels in CuTe DSL."""
 from jax_dsa import cute, indices
 from jax_dsa.api import Plan, explain, sparse_mla
+from jax_dsa.indexer import indexer_scores, indexer_topk
 
 __version__ = "0.1.0"
-__all__ = ["sparse_mla", "explain", "Plan", "indices", "cute", "flax", "__version__"]
+__all__ = ["sparse_mla", "explain", "Plan", "indexer_topk", "indexer_scores", "indices", "cute",
+           "flax", "__version__"]
 
 
 def __getattr__(name):

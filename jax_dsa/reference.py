@@ -100,7 +100,7 @@ def _scatter_add_rows_in_order(acc, rows, updates):
     return _scatter_add_rows(acc, jnp.where(run_ends, rows, acc.shape[0]), sums)
 
 
-def _varying_like(x, *refs):
+def varying_like(x, *refs):
     """x with the shard_map variance (vma) of refs, so that a scan carry keeps its type.
 
     Adds an exact 0.0 computed from each ref (a sum over an empty slice): version-independent,
@@ -199,7 +199,7 @@ def backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale: float, d
         dsink = -jnp.sum(sink_share * delta, axis=1)  # [B, H]
         return dkv_acc, (dq.astype(q.dtype), dsink)
 
-    dkv0 = _varying_like(jnp.zeros((b, s_rows, d), acc), q, idx, do, dlse)
+    dkv0 = varying_like(jnp.zeros((b, s_rows, d), acc), q, idx, do, dlse)
     dkv, (dq, dsink) = lax.scan(one_chunk, dkv0, (qc, ic, lc, oc, lsec, doc, dlsec))
     dsink = jnp.where(jnp.isneginf(sink)[None, :], 0.0, jnp.sum(dsink, axis=0))
     return _merge(dq, pad), dkv, dsink

@@ -1,0 +1,236 @@
+"""The lightning indexer of DeepSeek Sparse Attention: scores and top-k selection.
+
+    score[b, t, s] = sum_h weights[b, t, h] * ReLU(scale * q[b, t, h] . k[b, s])
+
+for the rows s of k visible to token t, -inf elsewhere. Row s is visible to token t iff
+(s + 1) * ratio <= start + t + 1: ratio 1 is causal attention over positions (token t at
+position start + t), ratio 4 DeepSeek-V4's compressed rows (row s summarises positions
+s * ratio .. s * ratio + ratio - 1 and is visible once complete), the rule `jax_dsa.indices`
+uses. `indexer_topk` keeps the `topk` highest-scoring visible rows per token, highest first,
+ties to the smaller row, -1 in the slots beyond the visible rows: ready for `sparse_mla`
+(with `jax_dsa.indices.concat_window_compressed` for V4's two pools in one buffer).
+
+The implementation here is the pure-JAX reference (the CPU/TPU path and the oracle of the
+kernels): it walks tokens in chunks and, per token chunk, the visible rows of k in chunks,
+keeping a running top-k that it merges with each chunk's scores, so that no [T, S] score
+matrix ever exists (memory O(chunk_t * chunk_s * H)). Scores are accumulated in float32
+(float64 for float64 inputs).
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_dsa.reference import varying_like
+
+_HIGHEST = lax.Precision.HIGHEST
+# Elements of one chunk's [chunk_t, H, chunk_s] product (about 128 MiB in fp32).
+_CHUNK_ELEMENTS = 1 << 25
+
+
+def indexer_topk(q, k, weights, topk, *, scale=1.0, ratio=1, start=0, return_scores=False,
+                 implementation=None):
+    """Top-k rows of k per token by the lightning indexer's score.
+
+    Args:
+      q: [B, T, Hi, Di] (or [T, Hi, Di]) indexer queries, bf16 / fp16 / fp32.
+      k: [B, S, Di] (or [S, Di]) the indexer keys (one head shared by all Hi), q's dtype.
+      weights: [B, T, Hi] (or [T, Hi]) per-token head weights, any float dtype.
+      topk: entries per token (a Python int >= 1).
+      scale: multiplies q . k inside the ReLU (a finite real number).
+      ratio: positions per row of k (1: one row per position; 4: V4's compressed rows).
+      start: position of token 0 (a chunk of T queries continuing a sequence).
+      return_scores: also return the selected scores.
+      implementation: None or "xla" (the pure-JAX reference), "cute" (Hopper kernels; not built
+        yet: raises NotImplementedError), or a sequence of these tried in order.
+
+    Returns:
+      idx [B, T, topk] int32, sorted by score (highest first, ties to the smaller row), -1 in
+      the slots beyond the token's visible rows; with return_scores also scores [B, T, topk]
+      float32 (float64 for float64 inputs), -inf where idx is -1.
+    """
+    call = _prepare(q, k, weights, scale, ratio, start)
+    topk = _check_int(topk, "topk", 1)
+    _check_flag(return_scores, "return_scores")
+    _resolve(implementation)
+    q, k, weights = call["q"], call["k"], call["weights"]
+    ct, cs = _chunks(q.shape[1], k.shape[1], q.shape[2])
+    scores, idx = _topk_jit(q, k, weights, topk, call["scale"], call["ratio"], call["start"],
+                            ct, cs)
+    if call["unbatched"]:
+        scores, idx = scores[0], idx[0]
+    return (idx, scores) if return_scores else idx
+
+
+def indexer_scores(q, k, weights, *, scale=1.0, ratio=1, start=0):
+    """The dense scores [B, T, S] (float32; float64 for float64 inputs), -inf where row s is not
+    visible to token t. For short sequences and tests: it materialises [T, S]."""
+    call = _prepare(q, k, weights, scale, ratio, start)
+    out = _scores_jit(call["q"], call["k"], call["weights"], call["scale"], call["ratio"],
+                      call["start"])
+    return out[0] if call["unbatched"] else out
+
+
+# ------------------------------------------------------------------------------ checks
+def _prepare(q, k, weights, scale, ratio, start):
+    q, k, weights = (_as_array(x, n) for x, n in ((q, "q"), (k, "k"), (weights, "weights")))
+    if q.ndim not in (3, 4):
+        raise ValueError(f"q must be [B, T, Hi, Di] or [T, Hi, Di]; got shape {q.shape}")
+    unbatched = q.ndim == 3
+    want_k, want_w = ("[S, Di]", "[T, Hi]") if unbatched else ("[B, S, Di]", "[B, T, Hi]")
+    if k.ndim != q.ndim - 1:
+        raise ValueError(f"k must be {want_k} for this q; got shape {k.shape}")
+    if weights.ndim != q.ndim - 1:
+        raise ValueError(f"weights must be {want_w} for this q; got shape {weights.shape}")
+    if unbatched:
+        q, k, weights = q[None], k[None], weights[None]
+    b, t, h, d = q.shape
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise TypeError(f"q must be a floating dtype; got {q.dtype}")
+    if k.dtype != q.dtype:
+        raise TypeError(f"k must have q's dtype {q.dtype}; got {k.dtype}")
+    if not jnp.issubdtype(weights.dtype, jnp.floating):
+        raise TypeError(f"weights must be a floating dtype; got {weights.dtype}")
+    if k.shape[0] != b or k.shape[2] != d:
+        raise ValueError(f"k must be [B, S, Di] = [{b}, S, {d}]; got shape {k.shape}")
+    if weights.shape != (b, t, h):
+        raise ValueError(f"weights must be [B, T, Hi] = [{b}, {t}, {h}]; got shape "
+                         f"{weights.shape}")
+    if h < 1 or d < 1:
+        raise ValueError(f"q must have Hi >= 1 heads of Di >= 1; got shape {q.shape}")
+    if k.shape[1] < 1:
+        raise ValueError("k must have at least one row (S >= 1)")
+    if isinstance(scale, jax.core.Tracer):
+        raise TypeError("scale must be a static Python float, not a traced value")
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer,
+                                                                      np.floating)):
+        raise TypeError(f"scale must be a real number; got {scale!r}")
+    if not np.isfinite(scale):
+        raise ValueError(f"scale must be finite; got {scale}")
+    ratio = _check_int(ratio, "ratio", 1)
+    start = _check_int(start, "start", 0)
+    return dict(q=q, k=k, weights=weights, scale=float(scale), ratio=ratio, start=start,
+                unbatched=unbatched)
+
+
+def _as_array(x, name):
+    if isinstance(x, jax.Array):
+        return x
+    if isinstance(x, (np.ndarray, np.generic)) or hasattr(x, "shape"):
+        return jnp.asarray(x)
+    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+
+
+def _check_int(value, name, lowest):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a Python int; got {value!r}")
+    if value < lowest:
+        raise ValueError(f"{name} must be >= {lowest}; got {value}")
+    return int(value)
+
+
+def _check_flag(value, name):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a Python bool; got {value!r}")
+
+
+def _resolve(implementation):
+    names = (tuple(implementation) if isinstance(implementation, Sequence)
+             and not isinstance(implementation, str) else (implementation,))
+    if not names or any(n not in (None, "xla", "cute") for n in names) or (
+            len(names) > 1 and None in names):
+        raise ValueError("implementation must be None, 'xla', 'cute' or a sequence of 'xla' / "
+                         f"'cute'; got {implementation!r}")
+    for name in names:
+        if name in (None, "xla"):
+            return "xla"
+    raise NotImplementedError("implementation='cute' cannot run here: the Hopper indexer "
+                              "kernels are not built yet")
+
+
+# ------------------------------------------------------------------------------ reference
+def _acc_dtype(dtype):
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _chunk_scores(q, k_rows, w, scale):
+    """Scores [B, ct, cs] of q [B, ct, H, D] against k_rows [B, cs, D], visible or not."""
+    acc = _acc_dtype(q.dtype)
+    dots = jnp.einsum("bthd,bsd->bths", q, k_rows, precision=_HIGHEST,
+                      preferred_element_type=acc)
+    return jnp.einsum("bths,bth->bts", jnp.maximum(dots * scale, 0), w.astype(acc),
+                      precision=_HIGHEST)
+
+
+def _visible(rows, pos, ratio, num_rows):
+    """[ct, cs] bool: row `rows` of k visible to the token at position `pos`."""
+    return (rows[None, :] >= 0) & (rows[None, :] < num_rows) & (
+        (rows[None, :] + 1) * ratio <= pos[:, None] + 1)
+
+
+def _chunks(t, s, h):
+    """(tokens, rows) per chunk: the [ct, H, cs] product within _CHUNK_ELEMENTS."""
+    ct = int(max(1, min(t, 256)))
+    cs = int(max(1, min(s, _CHUNK_ELEMENTS // max(1, ct * h))))
+    return ct, cs
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _scores_jit(q, k, w, scale, ratio, start):
+    b, t, h, _ = q.shape
+    s_rows = k.shape[1]
+    pos = start + jnp.arange(t)
+    s = _chunk_scores(q, k, w, scale)
+    return jnp.where(_visible(jnp.arange(s_rows), pos, ratio, s_rows)[None], s, -jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7, 8))
+def _topk_jit(q, k, w, topk, scale, ratio, start, ct, cs):
+    """(scores, idx) [B, T, topk]: a running top-k over chunks of cs visible rows, per chunk of
+    ct tokens."""
+    b, t, h, d = q.shape
+    s_rows = k.shape[1]
+    acc = _acc_dtype(q.dtype)
+    n_t, n_s = -(-t // ct), -(-s_rows // cs)
+    q_pad = jnp.pad(q, [(0, 0), (0, n_t * ct - t), (0, 0), (0, 0)])
+    w_pad = jnp.pad(w, [(0, 0), (0, n_t * ct - t), (0, 0)])
+    k_pad = jnp.pad(k, [(0, 0), (0, n_s * cs - s_rows), (0, 0)])
+
+    def token_chunk(i):
+        q_c = lax.dynamic_slice_in_dim(q_pad, i * ct, ct, axis=1)
+        w_c = lax.dynamic_slice_in_dim(w_pad, i * ct, ct, axis=1)
+        pos = start + i * ct + jnp.arange(ct)
+        # Rows visible to the chunk's last token: (row + 1) * ratio <= pos_last + 1.
+        n_vis = jnp.clip((start + i * ct + ct) // ratio, 0, s_rows)
+        n_chunks = (n_vis + cs - 1) // cs
+
+        def merge(j, carry):
+            best, best_idx = carry
+            k_c = lax.dynamic_slice_in_dim(k_pad, j * cs, cs, axis=1)
+            rows = j * cs + jnp.arange(cs)
+            s = _chunk_scores(q_c, k_c, w_c, scale)
+            s = jnp.where(_visible(rows, pos, ratio, s_rows)[None], s, -jnp.inf)
+            # The running list (rows of earlier chunks, sorted by score then row) comes first and
+            # the chunk's rows follow in ascending order, so top_k's lower-position-first tie
+            # rule keeps ties on the smaller row.
+            vals = jnp.concatenate([best, s], axis=-1)
+            ids = jnp.concatenate([best_idx, jnp.broadcast_to(rows, s.shape).astype(jnp.int32)],
+                                  axis=-1)
+            best, pick = lax.top_k(vals, topk)
+            return best, jnp.take_along_axis(ids, pick, axis=-1)
+
+        # (inside shard_map the carry must vary over the mesh axes its updates vary over)
+        init = (varying_like(jnp.full((b, ct, topk), -jnp.inf, acc), q_c, k_pad, w_c),
+                varying_like(jnp.full((b, ct, topk), -1, jnp.int32), q_c, k_pad, w_c))
+        best, best_idx = lax.fori_loop(0, n_chunks, merge, init)
+        return best, jnp.where(jnp.isneginf(best), -1, best_idx)
+
+    best, idx = lax.map(token_chunk, jnp.arange(n_t))
+    best = jnp.moveaxis(best, 0, 1).reshape(b, n_t * ct, topk)[:, :t]
+    idx = jnp.moveaxis(idx, 0, 1).reshape(b, n_t * ct, topk)[:, :t]
+    return best, idx
