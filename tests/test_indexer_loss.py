@@ -1,0 +1,160 @@
+"""jax_dsa.attention_target and jax_dsa.indexer_loss (pure-JAX reference) against float64 NumPy
+oracles: the target, the KL, and every gradient (by central differences in float64)."""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import jax_dsa
+from cases import make_problem, rel_err
+
+
+def np_target(p, scale):
+    """float64: softmax probabilities (sink in the denominator) summed over heads, normalised
+    over the token's entries; 0 at invalid entries and on dead tokens."""
+    q, kv, idx = (np.asarray(x, np.float64) for x in (p.q, p.kv, p.idx))
+    b, t, h, _ = q.shape
+    k = idx.shape[2]
+    s_rows = kv.shape[1]
+    sink = np.full(h, -np.inf) if p.sink is None else np.asarray(p.sink, np.float64)
+    out = np.zeros((b, t, k))
+    for bi in range(b):
+        for ti in range(t):
+            valid = [(j, int(r)) for j, r in enumerate(p.idx[bi, ti])
+                     if j < p.lengths[bi, ti] and 0 <= r < s_rows]
+            if not valid:
+                continue
+            mass = np.zeros(k)
+            for hi in range(h):
+                s = np.array([scale * q[bi, ti, hi] @ kv[bi, r] for _, r in valid])
+                m = s.max()
+                den = np.exp(s - m).sum() + np.exp(sink[hi] - m)
+                for (j, _), sj in zip(valid, s):
+                    mass[j] += np.exp(sj - m) / den
+            out[bi, ti] = mass / mass.sum()
+    return out
+
+
+def np_kl(q, k, w, idx, lengths, target, scale):
+    """float64 per-token KL(target || softmax of the indexer scores over the valid entries)."""
+    b, t, h, _ = q.shape
+    out = np.zeros((b, t))
+    for bi in range(b):
+        for ti in range(t):
+            valid = [(j, int(r)) for j, r in enumerate(idx[bi, ti])
+                     if j < lengths[bi, ti] and 0 <= r < k.shape[1]]
+            if not valid:
+                continue
+            z = np.array([np.sum(w[bi, ti] * np.maximum(scale * q[bi, ti] @ k[bi, r], 0))
+                          for _, r in valid])
+            log_p = z - z.max() - np.log(np.exp(z - z.max()).sum())
+            tg = np.array([target[bi, ti, j] for j, _ in valid])
+            out[bi, ti] = np.sum(np.where(tg > 0, tg * np.log(np.where(tg > 0, tg, 1)), 0)
+                                 - tg * log_p)
+    return out
+
+
+@pytest.mark.parametrize("sink,topk", [(False, "none"), (True, "partial")])
+def test_attention_target_matches_the_oracle(sink, topk):
+    p = make_problem(np.random.default_rng(1), 2, 5, 3, 16, 12, 7, sink=sink, topk=topk)
+    tl = None if p.topk_length is None else jnp.asarray(p.topk_length)
+    sink_arg = None if p.sink is None else jnp.asarray(p.sink)
+    got = np.asarray(jax_dsa.attention_target(p.q, p.kv, jnp.asarray(p.idx), scale=p.scale,
+                                              sink=sink_arg, topk_length=tl))
+    want = np_target(p, p.scale)
+    assert rel_err(got, want) < 1e-5
+    np.testing.assert_array_equal(got[0, 0], 0.0)  # the dead token
+    live = want.sum(-1) > 0
+    np.testing.assert_allclose(got.sum(-1)[live], 1.0, rtol=1e-5)
+    # With sparse_mla's own lse: the same.
+    _, lse = jax_dsa.sparse_mla(p.q, p.kv, jnp.asarray(p.idx), scale=p.scale, sink=sink_arg,
+                                topk_length=tl, return_lse=True)
+    again = jax_dsa.attention_target(p.q, p.kv, jnp.asarray(p.idx), scale=p.scale,
+                                     sink=sink_arg, topk_length=tl, lse=lse)
+    np.testing.assert_allclose(np.asarray(again), got, rtol=1e-5, atol=1e-7)
+
+
+def _loss_problem(seed=2, b=2, t=5, h=3, d=8, s=11, k=6):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, t, h, d))
+    kv = rng.standard_normal((b, s, d))
+    w = rng.standard_normal((b, t, h))
+    idx = rng.integers(-2, s + 2, (b, t, k)).astype(np.int32)
+    idx[..., 1] = idx[..., 0]  # a duplicate
+    idx[0, 0] = -1  # a dead token
+    lengths = rng.integers(1, k + 1, (b, t)).astype(np.int32)
+    target = rng.random((b, t, k))
+    target = target / target.sum(-1, keepdims=True)
+    return q, kv, w, idx, lengths, target
+
+
+def test_indexer_loss_value_matches_the_oracle():
+    q, k, w, idx, lengths, target = _loss_problem()
+    per_token = np.asarray(jax_dsa.indexer_loss(q, k, w, idx, target, scale=0.7,
+                                                topk_length=lengths, reduction="none"))
+    want = np_kl(q, k, w, idx, lengths, target, 0.7)
+    assert rel_err(per_token, want) < 1e-5
+    assert per_token[0, 0] == 0.0
+    live = np.array([[any(j < lengths[b_, t_] and 0 <= r < k.shape[1]
+                          for j, r in enumerate(idx[b_, t_]))
+                      for t_ in range(idx.shape[1])] for b_ in range(2)])  # tokens with an entry
+    mean = float(jax_dsa.indexer_loss(q, k, w, idx, target, scale=0.7, topk_length=lengths))
+    np.testing.assert_allclose(mean, want.sum() / live.sum(), rtol=1e-5)
+
+
+def test_indexer_loss_gradients_match_central_differences():
+    """In float64: dq, dk (rows never selected get exactly 0) and dweights against central
+    differences of the float64 NumPy oracle."""
+    q, k, w, idx, lengths, target = _loss_problem(seed=3)
+    with jax.enable_x64(True):
+        f = lambda q, k, w: jax_dsa.indexer_loss(q, k, w, idx, target, scale=0.7,  # noqa: E731
+                                                 topk_length=lengths, reduction="sum")
+        grads = jax.grad(f, argnums=(0, 1, 2))(jnp.asarray(q), jnp.asarray(k), jnp.asarray(w))
+    eps = 1e-6
+    for name, x, g in zip(("dq", "dk", "dw"), (q, k, w), grads):
+        g = np.asarray(g)
+        assert g.dtype == np.float64
+        fd = np.zeros_like(x)
+        it = np.nditer(x, flags=["multi_index"])
+        for _ in it:
+            i = it.multi_index
+            xp, xm = x.copy(), x.copy()
+            xp[i] += eps
+            xm[i] -= eps
+            args_p = [xp if n == name else v for n, v in zip(("dq", "dk", "dw"), (q, k, w))]
+            args_m = [xm if n == name else v for n, v in zip(("dq", "dk", "dw"), (q, k, w))]
+            fd[i] = (np_kl(*args_p[:2], args_p[2], idx, lengths, target, 0.7).sum()
+                     - np_kl(*args_m[:2], args_m[2], idx, lengths, target, 0.7).sum()) / (2 * eps)
+        np.testing.assert_allclose(g, fd, rtol=1e-5, atol=1e-7, err_msg=name)
+    used = {int(r) for b_ in range(2) for t_ in range(idx.shape[1])
+            for j, r in enumerate(idx[b_, t_]) if j < lengths[b_, t_] and 0 <= r < k.shape[1]}
+    unused = [r for r in range(k.shape[1]) if r not in used]
+    assert np.all(np.asarray(grads[1])[:, unused] == 0)
+
+
+def test_indexer_loss_trains_the_indexer_toward_the_target():
+    """A few SGD steps on q, k, w lower the loss (jit), the target stays a constant."""
+    q, k, w, idx, lengths, target = _loss_problem(seed=4)
+    args = tuple(jnp.asarray(x, jnp.float32) for x in (q, k, w))
+    f = jax.jit(jax.value_and_grad(
+        lambda q, k, w: jax_dsa.indexer_loss(q, k, w, idx, target, topk_length=lengths),
+        argnums=(0, 1, 2)))
+    first, _ = f(*args)
+    for _ in range(30):
+        loss, grads = f(*args)
+        args = tuple(a - 0.5 * g for a, g in zip(args, grads))
+    assert float(loss) < 0.8 * float(first)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(reduction="max"), "reduction"),
+    (dict(target=np.zeros((2, 5, 3))), "target must be"),
+    (dict(idx=np.zeros((2, 5, 6), np.float32)), "idx must be int32"),
+])
+def test_indexer_loss_bad_arguments(kwargs, match):
+    q, k, w, idx, lengths, target = _loss_problem()
+    args = dict(idx=idx, target=target)
+    args.update({n: kwargs.pop(n) for n in ("idx", "target") if n in kwargs})
+    with pytest.raises(ValueError, match=match):
+        jax_dsa.indexer_loss(q, k, w, args["idx"], args["target"], **kwargs)
