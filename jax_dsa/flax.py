@@ -84,3 +84,78 @@ class SparseMLA(nnx.Module):
                           topk_length=topk_length, d_v=self.d_v, return_lse=return_lse,
                           implementation=self.implementation, config=self.config,
                           deterministic=self.deterministic_backward)
+
+
+class Indexer(nnx.Module):
+    """DeepSeek's lightning indexer: per token Hi query heads of dim Di, one shared key head and
+    per-token head weights, all linear in the (detached) hidden state.
+
+    `__call__(x, kv_x=None)` gives (q_i [B, T, Hi, Di], k_i [B, S, Di], weights [B, T, Hi]) for
+    `jax_dsa.indexer_topk` / `indexer_loss`; the keys come from kv_x when given (e.g. compressed
+    rows), else from x. Weights carry a Hi^-0.5 factor, scores a Di^-0.5 scale (`scale`).
+    """
+
+    def __init__(self, d_model: int, num_heads: int = 64, head_dim: int = 128, *,
+                 rngs: nnx.Rngs, param_dtype=jnp.float32):
+        init = nnx.initializers.lecun_normal()
+        self.wq = nnx.Param(init(rngs.params(), (d_model, num_heads, head_dim), param_dtype))
+        self.wk = nnx.Param(init(rngs.params(), (d_model, head_dim), param_dtype))
+        self.ww = nnx.Param(init(rngs.params(), (d_model, num_heads), param_dtype))
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.scale = head_dim ** -0.5
+
+    def __call__(self, x, kv_x=None):
+        kv_x = x if kv_x is None else kv_x
+        q = jnp.einsum("btm,mhd->bthd", x, self.wq[...])
+        k = jnp.einsum("bsm,md->bsd", kv_x, self.wk[...])
+        w = jnp.einsum("btm,mh->bth", x, self.ww[...]) * self.num_heads ** -0.5
+        return q, k, w
+
+
+class DSAttention(nnx.Module):
+    """A DeepSeek Sparse Attention layer: MLA-style shared latent KV, sparse MLA over the
+    indexer's top-k positions, and the indexer trained against the attention (DeepSeek-V3.2).
+
+    `__call__(x, *, stage)` returns (y [B, T, d_model], aux) with aux = {"indexer_loss", "idx",
+    "target"}. stage "dense" (the indexer warm-up): attention over every causal position, and the
+    indexer's KL against that attention's distribution over all of them; stage "sparse": attention
+    over the indexer's `topk` positions, the KL over those. The indexer sees the hidden state
+    detached from the attention's graph, and the target is a constant, so the indexer loss trains
+    only the indexer and the task loss only the attention.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, head_dim: int, d_v: int, *, topk: int,
+                 index_heads: int = 4, index_dim: int = 16, rngs: nnx.Rngs, dtype=None,
+                 implementation=None):
+        init = nnx.initializers.lecun_normal()
+        self.wq = nnx.Param(init(rngs.params(), (d_model, num_heads, head_dim)))
+        self.wkv = nnx.Param(init(rngs.params(), (d_model, head_dim)))
+        self.wo = nnx.Param(init(rngs.params(), (num_heads, d_v, d_model)) * 0.5)
+        self.attn = SparseMLA(num_heads, d_v=d_v, dtype=dtype, implementation=implementation)
+        self.indexer = Indexer(d_model, index_heads, index_dim, rngs=rngs)
+        self.topk = topk
+
+    def __call__(self, x, *, stage: str = "sparse"):
+        import jax
+        from jax_dsa.indexer import indexer_topk
+        from jax_dsa.indexer_loss import attention_target, indexer_loss
+        b, t, _ = x.shape
+        q_i, k_i, w_i = self.indexer(jax.lax.stop_gradient(x))
+        if stage == "dense":
+            pos = jnp.arange(t)
+            idx = jnp.where(pos[None, :] <= pos[:, None], pos[None, :], -1)
+            idx = jnp.broadcast_to(idx.astype(jnp.int32), (b, t, t))
+        elif stage == "sparse":
+            idx = indexer_topk(q_i, k_i, w_i, self.topk, scale=self.indexer.scale)
+        else:
+            raise ValueError(f"stage must be 'dense' or 'sparse'; got {stage!r}")
+        q = jnp.einsum("btm,mhd->bthd", x, self.wq[...])
+        kv = jnp.einsum("btm,md->btd", x, self.wkv[...])
+        o, lse = self.attn(q, kv, idx, return_lse=True)
+        y = jnp.einsum("bthv,hvm->btm", o, self.wo[...].astype(o.dtype))
+        sink = None if self.attn.sink is None else self.attn.sink[...]
+        target = attention_target(jax.lax.stop_gradient(q), jax.lax.stop_gradient(kv), idx,
+                                  sink=None if sink is None else jax.lax.stop_gradient(sink),
+                                  lse=jax.lax.stop_gradient(lse))
+        loss = indexer_loss(q_i, k_i, w_i, idx, target, scale=self.indexer.scale)
+        return y, {"indexer_loss": loss, "idx": idx, "target": target}

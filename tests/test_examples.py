@@ -7,6 +7,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import quickstart  # noqa: E402
+import train_dsa  # noqa: E402
 import train_flax  # noqa: E402
 
 
@@ -20,3 +21,13 @@ def test_training_loss_goes_down_and_jit_equals_shard_map():
     sm_losses = train_flax.train("shard_map", steps=5, verbose=False)
     assert jit_losses[-1] < 0.7 * jit_losses[0]
     np.testing.assert_allclose(jit_losses, sm_losses, rtol=1e-4)
+
+
+def test_dsa_layer_trains_and_the_indexer_learns_the_attention():
+    """Warm-up then sparse training of jax_dsa.flax.DSAttention: the task loss and the
+    indexer's KL go down and the indexer's recall of the attention's top positions goes up."""
+    history = train_dsa.train(steps=60, warmup=30, verbose=False)
+    recall = [r["recall"] for r in history if "recall" in r]
+    assert history[-1]["loss"] < 0.5 * history[0]["loss"]
+    assert history[-1]["indexer_loss"] < 0.5 * history[0]["indexer_loss"]
+    assert recall[-1] > recall[0] + 0.05 and 0.0 <= min(recall) and max(recall) <= 1.0
