@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jax_dsa.api import sparse_mla
+from jax_dsa.indexer import indexer_topk
+from jax_dsa.indexer_loss import attention_target, indexer_loss
 
 
 class SparseMLA(nnx.Module):
@@ -136,9 +139,6 @@ class DSAttention(nnx.Module):
         self.topk = topk
 
     def __call__(self, x, *, stage: str = "sparse"):
-        import jax
-        from jax_dsa.indexer import indexer_topk
-        from jax_dsa.indexer_loss import attention_target, indexer_loss
         b, t, _ = x.shape
         q_i, k_i, w_i = self.indexer(jax.lax.stop_gradient(x))
         if stage == "dense":
