@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_dsa import api
 from jax_dsa.reference import varying_like
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -56,7 +57,7 @@ def indexer_topk(q, k, weights, topk, *, scale=1.0, ratio=1, start=0, return_sco
     """
     call = _prepare(q, k, weights, scale, ratio, start)
     topk = _check_int(topk, "topk", 1)
-    _check_flag(return_scores, "return_scores")
+    api._check_flag(return_scores, "return_scores")
     _resolve(implementation)
     q, k, weights = call["q"], call["k"], call["weights"]
     ct, cs = _chunks(q.shape[1], k.shape[1], q.shape[2])
@@ -78,7 +79,7 @@ def indexer_scores(q, k, weights, *, scale=1.0, ratio=1, start=0):
 
 # ------------------------------------------------------------------------------ checks
 def _prepare(q, k, weights, scale, ratio, start):
-    q, k, weights = (_as_array(x, n) for x, n in ((q, "q"), (k, "k"), (weights, "weights")))
+    q, k, weights = (api._as_array(x, n) for x, n in ((q, "q"), (k, "k"), (weights, "weights")))
     if q.ndim not in (3, 4):
         raise ValueError(f"q must be [B, T, Hi, Di] or [T, Hi, Di]; got shape {q.shape}")
     unbatched = q.ndim == 3
@@ -105,25 +106,13 @@ def _prepare(q, k, weights, scale, ratio, start):
         raise ValueError(f"q must have Hi >= 1 heads of Di >= 1; got shape {q.shape}")
     if k.shape[1] < 1:
         raise ValueError("k must have at least one row (S >= 1)")
-    if isinstance(scale, jax.core.Tracer):
-        raise TypeError("scale must be a static Python float, not a traced value")
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer,
-                                                                      np.floating)):
-        raise TypeError(f"scale must be a real number; got {scale!r}")
-    if not np.isfinite(scale):
-        raise ValueError(f"scale must be finite; got {scale}")
+    if scale is None:
+        raise TypeError("scale must be a real number; got None")
+    scale = api._check_scale(scale, d)
     ratio = _check_int(ratio, "ratio", 1)
     start = _check_int(start, "start", 0)
-    return dict(q=q, k=k, weights=weights, scale=float(scale), ratio=ratio, start=start,
+    return dict(q=q, k=k, weights=weights, scale=scale, ratio=ratio, start=start,
                 unbatched=unbatched)
-
-
-def _as_array(x, name):
-    if isinstance(x, jax.Array):
-        return x
-    if isinstance(x, (np.ndarray, np.generic)) or hasattr(x, "shape"):
-        return jnp.asarray(x)
-    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
 
 
 def _check_int(value, name, lowest):
@@ -132,11 +121,6 @@ def _check_int(value, name, lowest):
     if value < lowest:
         raise ValueError(f"{name} must be >= {lowest}; got {value}")
     return int(value)
-
-
-def _check_flag(value, name):
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a Python bool; got {value!r}")
 
 
 def _resolve(implementation):
