@@ -341,7 +341,8 @@ class Plan:
             fwd, bwd = self.config.fwd, self.config.bwd
             grouped = (f"grouped by {bwd.group} tokens, list union by {bwd.union}"
                        if bwd.group > 1 else "one token per 64-row tile")
-            text += f"; forward kernel {fwd.kernel}; backward {grouped}"
+            split = f", each list in {fwd.splits} parts" if fwd.splits > 1 else ""
+            text += f"; forward kernel {fwd.kernel}{split}; backward {grouped}"
         return text
 
 

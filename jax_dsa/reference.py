@@ -140,6 +140,46 @@ def forward(q, kv, idx, topk_length, sink, *, scale: float, d_v: int, chunk: int
     return _merge(o, pad), _merge(lse, pad)
 
 
+def combine_partials(o_parts, lse_parts, sink, *, axis: int):
+    """The attention over a list from its parts: o_parts [..., n, ..., d_v] and lse_parts (o's
+    shape without d_v) hold each part's softmax output and lse along `axis`, computed without
+    the sink; sink broadcasts against lse_parts without that axis (-inf: none). Returns (o in
+    acc_dtype, lse) as one forward over the whole list gives them: lse = logsumexp of the
+    parts' (sink excluded, -inf if every part is dead), o = sum_i e^(lse_i) o_i / (e^lse +
+    e^sink), 0 where that denominator is 0; a NaN sink gives NaN."""
+    acc = acc_dtype(o_parts.dtype)
+    lse_parts = lse_parts.astype(acc)
+    m = jnp.max(lse_parts, axis=axis)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # every part dead: all weights 0
+    w = jnp.exp(lse_parts - jnp.expand_dims(m, axis))  # 0 for a dead part
+    l = jnp.sum(w, axis=axis)
+    o = jnp.sum(w[..., None] * o_parts.astype(acc), axis=axis)
+    denom = l + jnp.exp(sink.astype(acc) - m)
+    o = o / jnp.where(denom == 0, 1.0, denom)[..., None]  # a NaN denominator stays NaN
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    return o, lse
+
+
+def split_forward(forward_fn, q, kv, idx, topk_length, sink, *, splits: int):
+    """A forward over each token's list as `splits` contiguous parts of ceil(K / splits)
+    entries, each part a token of its own for `forward_fn(q, kv, idx, topk_length, sink) ->
+    (o, lse)` (q repeated; the last part padded with -1; a part's topk_length is what of the
+    token's falls in it), run without the sink and combined by lse with it (combine_partials).
+    The result is the unsplit forward's, up to rounding the parts' o to q.dtype. The kernels'
+    decode path (jax_dsa.cute.config.FwdConfig.splits)."""
+    b, t, h, _ = q.shape
+    k = idx.shape[-1]
+    part = -(-k // splits)
+    idx = jnp.pad(idx, ((0, 0), (0, 0), (0, splits * part - k)), constant_values=-1)
+    lengths = jnp.clip(topk_length[..., None] - part * jnp.arange(splits, dtype=jnp.int32), 0,
+                       part)
+    o, lse = forward_fn(jnp.repeat(q, splits, axis=1), kv, idx.reshape(b, t * splits, part),
+                        lengths.reshape(b, t * splits), jnp.full_like(sink, -jnp.inf))
+    o, lse = combine_partials(o.reshape(b, t, splits, h, -1), lse.reshape(b, t, splits, h),
+                              sink, axis=2)
+    return o.astype(q.dtype), lse
+
+
 def sink_split(sink, lse):
     """(c, 1 - c) with c = 1 / (1 + exp(sink - lse)), the share of probability left to the KV.
 

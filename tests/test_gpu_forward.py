@@ -45,15 +45,15 @@ def _kernel_or_skip():
         pytest.skip(problem)
 
 
-def _run_kernel(p, dtype, scale=None, kernel=None):
-    """The kernel (default: the one jax_dsa.cute.select picks) through the FFI with poisoned
-    outputs: (q, kv, o, lse) on the device."""
-    from jax_dsa.cute import config, ffi
+def _run_kernel(p, dtype, scale=None, config=None):
+    """The forward on the kernels for `config` (default: what jax_dsa.cute.select picks, the
+    list split included) with poisoned kernel outputs: (q, kv, o, lse) on the device."""
+    from jax_dsa.cute import config as kernel_config, kernel as cute_kernel
     q, kv = jnp.asarray(p.q, dtype), jnp.asarray(p.kv, dtype)
     sink = np.full(p.q.shape[2], -np.inf, np.float32) if p.sink is None else p.sink
     scale = p.scale if scale is None else scale
-    kernel = kernel or config.select_fwd(p.q.shape[2]).kernel
-    fwd = jax.jit(functools.partial(ffi.sparse_mla_fwd, scale=scale, kernel=kernel,
+    cfg = kernel_config.resolve(config, p.q.shape, p.idx.shape[2], p.kv.shape[1], False)
+    fwd = jax.jit(functools.partial(cute_kernel.forward, scale=scale, config=cfg,
                                     poison_outputs=True))
     o, lse = fwd(q, kv, jnp.asarray(p.idx), jnp.asarray(p.lengths), jnp.asarray(sink))
     return q, kv, o, lse
@@ -109,6 +109,51 @@ def test_both_forward_kernels_at_small_h_through_config(case):
         _assert_matches_oracle(p, q, kv, o, lse, p.scale)
         outs[kernel] = np.asarray(o, np.float32)
     assert rel_err(outs["small_heads"], outs["pingpong"]) < 1e-2
+
+
+# Decode (few tokens): each token's list split into parts run as tokens of their own and
+# combined by lse. (B, T, H, Dqk, S, K, sink, topk_length, kernel, splits); ragged last parts,
+# parts beyond topk_length, dead tokens, invalid entries, sinks, both kernels.
+SPLIT_CASES = [
+    (1, 8, 128, 576, 65536, 2048, True, "partial", "pingpong", 8),
+    (2, 1, 128, 576, 5000, 2048, True, "full", "pingpong", 16),
+    (4, 1, 64, 512, 3000, 1152, False, "partial", "pingpong", 3),
+    (1, 3, 100, 576, 4096, 1000, True, "none", "pingpong", 7),
+    (2, 2, 16, 512, 4096, 640, True, "partial", "small_heads", 5),
+    (1, 4, 32, 576, 2000, 2048, False, "partial", "small_heads", 16),
+    (3, 1, 8, 512, 300, 63, True, "none", "small_heads", 2),
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: "B{}T{}H{}D{}S{}K{}-{}-{}x{}".format(
+    *c[:6], *c[7:]))
+def test_split_forward_matches_oracle(case):
+    _kernel_or_skip()
+    from jax_dsa.cute import Config, FwdConfig
+    b, t, h, d, s, k, sink, topk, kernel, splits = case
+    p = make_problem(np.random.default_rng(zlib.crc32(repr(case).encode())), b, t, h, d, s, k,
+                     sink=sink, topk=topk)
+    _assert_matches_oracle(p, *_run_kernel(p, jnp.bfloat16,
+                                           config=Config(fwd=FwdConfig(kernel, splits))), p.scale)
+
+
+def test_decode_splits_by_default_and_matches_the_unsplit_kernel():
+    """8 decode tokens at H = 128, K = 2048: select splits the lists, and the public call gives
+    the oracle's result and the unsplit kernel's within bf16 rounding."""
+    _kernel_or_skip()
+    from jax_dsa.cute import Config, FwdConfig, config as kernel_config
+    p = make_problem(np.random.default_rng(8), 8, 1, 128, 576, 65536, 2048, sink=True,
+                     topk="partial")
+    assert kernel_config.select(p.q.shape, 2048, 65536).fwd.splits > 1
+    plan = jax_dsa.explain(p.q, p.kv, p.idx, sink=p.sink, topk_length=p.topk_length)
+    assert plan.config.fwd.splits > 1, plan
+    q, kv, o, lse = _run_kernel(p, jnp.bfloat16)
+    _assert_matches_oracle(p, q, kv, o, lse, p.scale)
+    _, _, o1, lse1 = _run_kernel(p, jnp.bfloat16, config=Config(fwd=FwdConfig("pingpong", 1)))
+    assert rel_err(o, o1) < 1e-2
+    live = np.isfinite(np.asarray(lse1))
+    np.testing.assert_allclose(np.asarray(lse)[live], np.asarray(lse1)[live], rtol=1e-5,
+                               atol=1e-4)
 
 
 @pytest.mark.parametrize("h", [16, 64])

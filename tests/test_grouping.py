@@ -272,3 +272,23 @@ def test_grouped_backward_plumbing_matches_the_reference(monkeypatch, union):
                           deterministic=False)
     for name, g, w in zip(("dq", "dkv", "dsink"), got, want):
         assert rel_err(g, w) < 1e-4, (name, rel_err(g, w))
+
+
+def test_forward_splits_the_lists_only_when_the_tokens_leave_the_gpu_empty():
+    from jax_dsa.cute import FwdConfig
+    sel = kernel_config.select_fwd
+    assert sel((8, 1, 128, 576), 2048) == FwdConfig("pingpong", 8)  # 16 CTAs -> 128
+    assert sel((1, 64, 128, 576), 2048).splits == 1  # 128 CTAs fill the GPU
+    assert sel((1, 4096, 128, 576), 2048).splits == 1
+    assert sel((1, 32, 128, 576), 2048).splits == 2
+    assert sel((2, 1, 16, 512), 640) == FwdConfig("small_heads", 2)  # K / 256 parts at most
+    assert sel((1, 8, 64, 512), 200).splits == 1  # too few entries to split
+    for shape, k in [((8, 1, 128, 576), 2048), ((3, 5, 40, 512), 5000), ((1, 1, 1, 512), 1)]:
+        cfg = sel(shape, k)
+        ctas = shape[0] * shape[1] * (1 if shape[2] <= 32 else -(-shape[2] // 64))
+        assert cfg.splits == 1 or (ctas * cfg.splits <= kernel_config.SPLIT_TARGET_CTAS
+                                   and k // cfg.splits >= kernel_config.SPLIT_MIN_ENTRIES)
+    with pytest.raises(ValueError, match="FwdConfig.splits"):
+        FwdConfig(splits=0)
+    with pytest.raises(ValueError, match="FwdConfig.splits"):
+        FwdConfig(splits=True)

@@ -1,5 +1,6 @@
 """The pure-JAX implementation (implementation="xla") against the float64 oracles."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -224,3 +225,37 @@ def test_deterministic_reference_backward_matches_the_scatter():
     ordered = reference.backward(*args, scale=0.1, d_v=32, chunk=4, deterministic=True)
     for a, b_ in zip(plain, ordered):
         np.testing.assert_allclose(np.asarray(b_), np.asarray(a), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("splits,k,topk", [(2, 64, "partial"), (3, 100, "none"), (8, 640, "full"),
+                                           (5, 7, "partial")])
+def test_split_forward_equals_the_whole_list(splits, k, topk):
+    """The decode path's arithmetic (reference.split_forward / combine_partials): a list run as
+    `splits` parts (ragged last part, parts beyond topk_length dead, a dead token, invalid
+    entries, a sink) and combined by lse gives the float64 oracle's o and lse."""
+    p = make_problem(np.random.default_rng(1000 * splits + k), 2, 3, 4, 576, 200, k, sink=True,
+                     topk=topk)
+    part = functools.partial(reference.forward, scale=p.scale, d_v=p.d_v)
+    o, lse = jax.jit(functools.partial(reference.split_forward, part, splits=splits))(
+        p.q, p.kv, p.idx, p.lengths, jnp.asarray(p.sink))
+    o_ref, lse_ref = oracle.numpy_forward(p.q, p.kv, p.idx, p.lengths, p.sink, p.scale, p.d_v)
+    dead = np.isneginf(lse_ref)
+    assert dead[0, 0].all()
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), dead)
+    assert rel_err(o, o_ref) < 1e-5
+    np.testing.assert_allclose(np.asarray(lse)[~dead], lse_ref[~dead], rtol=1e-5, atol=1e-5)
+
+
+def test_combine_partials_sink_only_dead_and_nan():
+    """Every part dead: o = 0, lse = -inf (with or without a sink); a NaN sink gives NaN."""
+    o_parts = jnp.ones((2, 3, 4, 8))  # [T, n, H, d_v]
+    lse_parts = jnp.full((2, 3, 4), -jnp.inf)
+    sink = jnp.array([0.5, -jnp.inf, 1.0, jnp.nan])
+    o, lse = reference.combine_partials(o_parts, lse_parts, sink, axis=1)
+    assert np.all(np.asarray(o)[:, :3] == 0.0) and np.all(np.isneginf(np.asarray(lse)[:, :3]))
+    assert np.all(np.isnan(np.asarray(o)[:, 3]))
+    lse_parts = lse_parts.at[:, 1].set(0.0)  # one live part of weight e^0 = 1
+    o, lse = reference.combine_partials(o_parts, lse_parts, sink, axis=1)
+    np.testing.assert_allclose(np.asarray(o)[:, 0], 1.0 / (1.0 + np.exp(0.5)), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(o)[:, 1], 1.0, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse)[:, :3], 0.0, atol=1e-7)

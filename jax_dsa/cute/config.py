@@ -9,6 +9,9 @@ Forward (FwdConfig.kernel):
                  warpgroups on alternate tokens (ffi/kernels/sm90/fwd_small_heads.py).
   "pingpong"     any H (64-head tiles, padded inside the kernel): a producer warpgroup gathers
                  KV blocks, two consumers ping-pong over block pairs (fwd_pingpong.py).
+FwdConfig.splits > 1 (decode: too few tokens to fill the GPU) runs each token's list as
+`splits` contiguous parts, each a token of its own for the kernel, and combines the parts by
+their lse (jax_dsa.reference.combine_partials; jax_dsa/cute/kernel.py).
 Backward (BwdConfig.group): 1 runs one token per 64-row tile (ffi/kernels/sm90/bwd.py); G > 1
 runs G consecutive tokens of 64 / G heads as one 64-row token over the union of their index
 lists, so rows the tokens share (the window) are gathered and added to dkv once per group. The
@@ -24,19 +27,31 @@ import dataclasses
 from jax_dsa.cute import constants
 
 FWD_KERNELS = ("pingpong", "small_heads")
+# The forward's list split (decode): the SMs one launch should fill (an H200 or H100 SXM has
+# 132) and the fewest entries a part may have (4 KV blocks: below that the kernel's fixed cost
+# of loading Q and storing O outweighs the parallelism gained).
+SPLIT_TARGET_CTAS = 132
+SPLIT_MIN_ENTRIES = 256
+MAX_SPLITS = 64
 UNIONS = ("kernel", "xla")
 DET_WORKSPACE_BYTES = 512 << 20
 
 
 @dataclasses.dataclass(frozen=True)
 class FwdConfig:
-    """The forward kernel: "pingpong" (any H) or "small_heads" (H <= 32)."""
+    """The forward kernel: "pingpong" (any H) or "small_heads" (H <= 32), and the parts each
+    token's list is split into (`splits`, 1 = no split; see the module docstring)."""
     kernel: str = "pingpong"
+    splits: int = 1
 
     def __post_init__(self):
         if self.kernel not in FWD_KERNELS:
             raise ValueError(f"FwdConfig.kernel must be one of {FWD_KERNELS}; "
                              f"got {self.kernel!r}")
+        if (isinstance(self.splits, bool) or not isinstance(self.splits, int)
+                or not 1 <= self.splits <= MAX_SPLITS):
+            raise ValueError(f"FwdConfig.splits must be an int in [1, {MAX_SPLITS}]; "
+                             f"got {self.splits!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +88,22 @@ class Config:
             raise TypeError(f"Config.bwd must be a BwdConfig or None; got {self.bwd!r}")
 
 
-def select_fwd(heads: int) -> FwdConfig:
-    """The forward kernel for H heads (per device, after sharding)."""
-    return FwdConfig("small_heads" if heads <= constants.SMALL_HEADS else "pingpong")
+def select_fwd(q_shape, k: int) -> FwdConfig:
+    """The forward for q [B, T, H, D] (per device, after sharding) and K entries per token:
+    the small-heads kernel for H <= 32, else pingpong; the lists split when the call's CTAs
+    (B * T * ceil(H / 64) for pingpong, B * T for small_heads) fill fewer than half the SMs,
+    into as many parts as fill them, each of at least SPLIT_MIN_ENTRIES entries.
+
+    Example: 8 decode tokens at H = 128, K = 2048 run 16 CTAs unsplit; `select_fwd((8, 1, 128,
+    576), 2048)` gives FwdConfig("pingpong", splits=8), 128 CTAs of 256 entries.
+    """
+    b, t, h, _ = q_shape
+    kernel = "small_heads" if h <= constants.SMALL_HEADS else "pingpong"
+    ctas = b * t * (1 if kernel == "small_heads" else -(-h // 64))
+    splits = 1
+    if 0 < ctas <= SPLIT_TARGET_CTAS // 2:
+        splits = max(1, min(SPLIT_TARGET_CTAS // ctas, k // SPLIT_MIN_ENTRIES, MAX_SPLITS))
+    return FwdConfig(kernel, splits)
 
 
 def grouping_problem(q_shape, num_kv_rows: int, group: int, deterministic: bool) -> str:
@@ -109,7 +137,7 @@ def select(q_shape, k: int, num_kv_rows: int, *, deterministic: bool = False) ->
     Example: `select((1, 4096, 16, 576), 640, 65536)` gives
     Config(fwd=FwdConfig("small_heads"), bwd=BwdConfig(group=4)).
     """
-    return Config(select_fwd(q_shape[2]), select_bwd(q_shape, k, num_kv_rows, deterministic))
+    return Config(select_fwd(q_shape, k), select_bwd(q_shape, k, num_kv_rows, deterministic))
 
 
 def resolve(config: Config | None, q_shape, k: int, num_kv_rows: int,
@@ -117,7 +145,7 @@ def resolve(config: Config | None, q_shape, k: int, num_kv_rows: int,
     """`config` with its None fields chosen by `select`; raises ValueError where a pinned
     choice cannot run this call."""
     config = config or Config()
-    fwd = config.fwd or select_fwd(q_shape[2])
+    fwd = config.fwd or select_fwd(q_shape, k)
     bwd = config.bwd or select_bwd(q_shape, k, num_kv_rows, deterministic)
     if fwd.kernel == "small_heads" and q_shape[2] > constants.SMALL_HEADS:
         raise ValueError(f"config: FwdConfig('small_heads') takes H <= {constants.SMALL_HEADS} "

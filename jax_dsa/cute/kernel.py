@@ -6,6 +6,8 @@ JAX; the kernels compute dq, the fp32 dkv and delta = rowsum(do * o).
 """
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 
 from jax_dsa import reference
@@ -13,9 +15,17 @@ from jax_dsa.cute import ffi, grouping
 from jax_dsa.cute.config import Config, grouping_problem
 
 
-def forward(q, kv, idx, topk_length, sink, *, scale, config: Config):
-    return ffi.sparse_mla_fwd(q, kv, idx, topk_length, sink, scale=scale,
-                              kernel=config.fwd.kernel)
+def forward(q, kv, idx, topk_length, sink, *, scale, config: Config, poison_outputs=False):
+    """(o [B, T, H, 512] q.dtype, lse [B, T, H] float32); config.fwd.splits > 1 splits each
+    token's list into parts combined by lse (reference.split_forward). poison_outputs (tests):
+    the kernel's outputs start as NaN."""
+    fwd = config.fwd
+    if fwd.splits == 1:
+        return ffi.sparse_mla_fwd(q, kv, idx, topk_length, sink, scale=scale, kernel=fwd.kernel,
+                                  poison_outputs=poison_outputs)
+    part = functools.partial(ffi.sparse_mla_fwd, scale=scale, kernel=fwd.kernel,
+                             poison_outputs=poison_outputs)
+    return reference.split_forward(part, q, kv, idx, topk_length, sink, splits=fwd.splits)
 
 
 def backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale, config: Config,
