@@ -33,6 +33,23 @@ for h, d in ((3, 576), (17, 512), (29, 512), (100, 576)):  # 29: NP 32, two cons
     print(f"H={h} Dqk={d}: ok")
 print("memcheck case done")
 
+# The decode path: each token's list split into parts (ragged last part, parts past
+# topk_length), by default (B = 4 tokens, H = 128, K = 600 -> 2 parts) and pinned (3 parts).
+from jax_dsa.cute import Config, FwdConfig  # noqa: E402
+for h, d, splits in ((128, 576, None), (100, 512, 3), (17, 576, 3)):
+    b, s, k = 4, 37, 600
+    q = jnp.asarray(rng.standard_normal((b, 1, h, d)), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((b, s, d)), jnp.bfloat16)
+    idx = jnp.asarray(rng.integers(-40, 80, (b, 1, k)).astype(np.int32))
+    tl = jnp.asarray(rng.integers(0, k + 1, (b, 1)).astype(np.int32))
+    config = None if splits is None else Config(fwd=FwdConfig(
+        "small_heads" if h <= 32 else "pingpong", splits))
+    o = jax_dsa.sparse_mla(q, kv, idx, topk_length=tl, sink=jnp.zeros(h), implementation="cute",
+                           config=config)
+    assert not np.isnan(np.asarray(o, np.float32)).any()
+    print(f"split H={h} Dqk={d} splits={splits}: ok")
+print("split memcheck case done")
+
 # Backward through the kernels on the same kind of problem, atomic and deterministic; H = 32, 16
 # and 8 with T = 8 run grouped (the list-union kernel, then 2, 4 or 8 tokens per 64-row token).
 for h, d, det, t in ((100, 576, False, 5), (100, 512, False, 5), (17, 512, False, 5),
