@@ -145,7 +145,8 @@ def test_decode_splits_by_default_and_matches_the_unsplit_kernel():
     p = make_problem(np.random.default_rng(8), 8, 1, 128, 576, 65536, 2048, sink=True,
                      topk="partial")
     assert kernel_config.select(p.q.shape, 2048, 65536).fwd.splits > 1
-    plan = jax_dsa.explain(p.q, p.kv, p.idx, sink=p.sink, topk_length=p.topk_length)
+    plan = jax_dsa.explain(jnp.asarray(p.q, jnp.bfloat16), jnp.asarray(p.kv, jnp.bfloat16), p.idx,
+                           sink=p.sink, topk_length=p.topk_length)
     assert plan.config.fwd.splits > 1, plan
     q, kv, o, lse = _run_kernel(p, jnp.bfloat16)
     _assert_matches_oracle(p, q, kv, o, lse, p.scale)
