@@ -10,11 +10,12 @@ uses. `indexer_topk` keeps the `topk` highest-scoring visible rows per token, hi
 ties to the smaller row, -1 in the slots beyond the visible rows: ready for `sparse_mla`
 (with `jax_dsa.indices.concat_window_compressed` for V4's two pools in one buffer).
 
-The implementation here is the pure-JAX reference (the CPU/TPU path and the oracle of the
-kernels): it walks tokens in chunks and, per token chunk, the visible rows of k in chunks,
-keeping a running top-k that it merges with each chunk's scores, so that no [T, S] score
-matrix ever exists (memory O(chunk_t * chunk_s * H)). Scores are accumulated in float32
-(float64 for float64 inputs).
+Two implementations: the Hopper score kernel with XLA's top_k per chunk of tokens
+(jax_dsa/cute/indexer.py; bf16/fp16, Di = 128, Hi <= 64), and the pure-JAX reference here (the
+CPU/TPU path and the oracle of the kernels), which walks tokens in chunks and, per token chunk,
+the visible rows of k in chunks, keeping a running top-k that it merges with each chunk's
+scores, so that no [T, S] score matrix ever exists (memory O(chunk_t * chunk_s * H)). Scores
+are accumulated in float32 (float64 for float64 inputs).
 """
 from __future__ import annotations
 
@@ -47,8 +48,9 @@ def indexer_topk(q, k, weights, topk, *, scale=1.0, ratio=1, start=0, return_sco
       ratio: positions per row of k (1: one row per position; 4: V4's compressed rows).
       start: position of token 0 (a chunk of T queries continuing a sequence).
       return_scores: also return the selected scores.
-      implementation: None or "xla" (the pure-JAX reference), "cute" (Hopper kernels; not built
-        yet: raises NotImplementedError), or a sequence of these tried in order.
+      implementation: None (the Hopper kernel where it can run, else the reference), "xla"
+        (the pure-JAX reference), "cute" (the Hopper kernel; raises NotImplementedError with
+        the reason where it cannot run), or a sequence of "xla" / "cute" tried in order.
 
     Returns:
       idx [B, T, topk] int32, sorted by score (highest first, ties to the smaller row), -1 in
@@ -58,23 +60,59 @@ def indexer_topk(q, k, weights, topk, *, scale=1.0, ratio=1, start=0, return_sco
     call = _prepare(q, k, weights, scale, ratio, start)
     topk = _check_int(topk, "topk", 1)
     api._check_flag(return_scores, "return_scores")
-    _resolve(implementation)
+    impl = _resolve(implementation, call["q"], call["k"])
     q, k, weights = call["q"], call["k"], call["weights"]
     ct, cs = _chunks(q.shape[1], k.shape[1], q.shape[2])
-    scores, idx = _topk_jit(q, k, weights, topk, call["scale"], call["ratio"], call["start"],
-                            ct, cs)
+    static = (topk, call["scale"], call["ratio"], call["start"])
+
+    def ref(q, k, weights):
+        return _topk_jit(q, k, weights, *static, ct, cs)
+
+    def kernel(q, k, weights):
+        from jax_dsa.cute import indexer as cute_indexer
+        return cute_indexer.topk(q, k, weights, *static)
+
+    scores, idx = _run(impl, ref, kernel, q, k, weights)
     if call["unbatched"]:
         scores, idx = scores[0], idx[0]
     return (idx, scores) if return_scores else idx
 
 
-def indexer_scores(q, k, weights, *, scale=1.0, ratio=1, start=0):
+def indexer_scores(q, k, weights, *, scale=1.0, ratio=1, start=0, implementation=None):
     """The dense scores [B, T, S] (float32; float64 for float64 inputs), -inf where row s is not
-    visible to token t. For short sequences and tests: it materialises [T, S]."""
+    visible to token t. For short sequences and tests: it materialises [T, S].
+    `implementation` as for indexer_topk."""
     call = _prepare(q, k, weights, scale, ratio, start)
-    out = _scores_jit(call["q"], call["k"], call["weights"], call["scale"], call["ratio"],
-                      call["start"])
+    impl = _resolve(implementation, call["q"], call["k"])
+    static = (call["scale"], call["ratio"], call["start"])
+
+    def ref(q, k, weights):
+        return _scores_jit(q, k, weights, *static)
+
+    def kernel(q, k, weights):
+        return _kernel_scores_jit(q, k, weights, *static)
+
+    out = _run(impl, ref, kernel, call["q"], call["k"], call["weights"])
     return out[0] if call["unbatched"] else out
+
+
+def _run(impl, ref, kernel, *args):
+    if impl == "xla":
+        return ref(*args)
+    if impl == "cute":
+        return kernel(*args)
+    return _platform_dependent(ref, kernel, *args)
+
+
+def _platform_dependent(ref, kernel, *args):
+    """The kernel when lowered for CUDA, the reference elsewhere (as sparse_mla's "auto")."""
+    return jax.jit(lambda *a: lax.platform_dependent(*a, cuda=kernel, default=ref))(*args)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _kernel_scores_jit(q, k, w, scale, ratio, start):
+    from jax_dsa.cute import indexer as cute_indexer
+    return cute_indexer.scores(q, k, w, scale=scale, ratio=ratio, start=start)
 
 
 # ------------------------------------------------------------------------------ checks
@@ -123,18 +161,36 @@ def _check_int(value, name, lowest):
     return int(value)
 
 
-def _resolve(implementation):
+def kernel_problem(q, k) -> str | None:
+    """Why the Hopper indexer kernel cannot take canonical q [B, T, Hi, Di], k [B, S, Di] here
+    (None when it can)."""
+    problem = api.kernel_runtime_problem()
+    if problem:
+        return problem
+    from jax_dsa.cute import indexer as cute_indexer
+    problem = cute_indexer.shape_problem(q, k)
+    if problem is None and api._arrays_off_gpu(q, k):
+        problem = "q/k are not on a CUDA device"
+    return problem
+
+
+def _resolve(implementation, q, k) -> str:
+    """"xla", "cute" or "auto" (the kernel when lowered for CUDA, else the reference)."""
     names = (tuple(implementation) if isinstance(implementation, Sequence)
              and not isinstance(implementation, str) else (implementation,))
     if not names or any(n not in (None, "xla", "cute") for n in names) or (
             len(names) > 1 and None in names):
         raise ValueError("implementation must be None, 'xla', 'cute' or a sequence of 'xla' / "
                          f"'cute'; got {implementation!r}")
+    problem = kernel_problem(q, k)
+    if names == (None,):
+        return "xla" if problem else "auto"
     for name in names:
-        if name in (None, "xla"):
+        if name == "xla":
             return "xla"
-    raise NotImplementedError("implementation='cute' cannot run here: the Hopper indexer "
-                              "kernels are not built yet")
+        if problem is None:
+            return "cute"
+    raise NotImplementedError(f"implementation='cute' cannot run here: {problem}")
 
 
 # ------------------------------------------------------------------------------ reference

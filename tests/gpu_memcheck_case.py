@@ -65,3 +65,16 @@ for h, d, det, t in ((100, 576, False, 5), (100, 512, False, 5), (17, 512, False
     jax.block_until_ready(grads)
     print(f"backward H={h} Dqk={d} deterministic={det}: ok")
 print("backward memcheck case done")
+
+# The indexer's score kernel: S not a multiple of the 256-row tile, Hi < 64, tokens before the
+# causal edge, compressed rows; then the selection built on it.
+for b, t, h, s, ratio, start in ((2, 37, 7, 300, 1, 250), (1, 70, 64, 513, 4, 1000)):
+    q = jnp.asarray(rng.standard_normal((b, t, h, 128)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((b, s, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+    sc = jax_dsa.indexer_scores(q, k, w, ratio=ratio, start=start, implementation="cute")
+    idx = jax_dsa.indexer_topk(q, k, w, 64, ratio=ratio, start=start, implementation="cute")
+    jax.block_until_ready((sc, idx))
+    assert not np.isnan(np.asarray(sc)).any()
+    print(f"indexer B={b} T={t} Hi={h} S={s} ratio={ratio}: ok")
+print("indexer memcheck case done")

@@ -82,3 +82,29 @@ def dense_grads(q, kv, idx, topk_length, sink, scale, d_v, w_o, w_lse):
 
         grads = jax.grad(loss, argnums=tuple(range(len(args))))(*args)
         return [np.asarray(g) for g in grads]
+
+
+def indexer_scores(q, k, w, scale, ratio, start):
+    """The lightning indexer's scores, float64 [B, T, S], -inf where not visible."""
+    q, k, w = (np.asarray(x, np.float64) for x in (q, k, w))
+    dots = np.einsum("bthd,bsd->bths", q, k)
+    s = np.einsum("bths,bth->bts", np.maximum(scale * dots, 0.0), w)
+    t, n = q.shape[1], k.shape[1]
+    pos = start + np.arange(t)[:, None]
+    visible = (np.arange(n)[None, :] + 1) * ratio <= pos + 1
+    return np.where(visible[None], s, -np.inf)
+
+
+def indexer_topk(scores, topk):
+    """idx [B, T, topk] by (score desc, row asc), -1 past the visible rows; and their scores."""
+    b, t, n = scores.shape
+    idx = np.full((b, t, topk), -1, np.int64)
+    val = np.full((b, t, topk), -np.inf)
+    for bi in range(b):
+        for ti in range(t):
+            row = scores[bi, ti]
+            order = np.lexsort((np.arange(n), -row))  # primary: -score, then row
+            order = [j for j in order if np.isfinite(row[j])][:topk]
+            idx[bi, ti, :len(order)] = order
+            val[bi, ti, :len(order)] = row[order]
+    return idx, val

@@ -24,7 +24,8 @@ def test_library_loads_and_exports_handlers():
     for sym in ("JaxDsaSparseMlaFwdSm90", "JaxDsaInit", "JaxDsaSparseMlaBwdSm90",
                 "JaxDsaSparseMlaBwdDeterministicSm90", "JaxDsaBwdInit", "JaxDsaBwdNumKernels",
                 "JaxDsaGroupUnionSm90", "JaxDsaGroupUnionInit", "JaxDsaGroupUnionNumKernels",
-                "JaxDsaSparseMlaBwdGroupedSm90"):
+                "JaxDsaSparseMlaBwdGroupedSm90", "JaxDsaIndexerScoresSm90", "JaxDsaIndexerInit",
+                "JaxDsaIndexerNumKernels"):
         assert getattr(lib, sym) is not None
     assert _native.has_backward()
     lib.JaxDsaBwdNumKernels.restype = ctypes.c_int
@@ -34,6 +35,9 @@ def test_library_loads_and_exports_handlers():
     assert _native.has_group_union()
     lib.JaxDsaGroupUnionNumKernels.restype = ctypes.c_int
     assert lib.JaxDsaGroupUnionNumKernels() == 9
+    assert _native.has_indexer()  # the indexer's score kernel, bf16 and f16
+    lib.JaxDsaIndexerNumKernels.restype = ctypes.c_int
+    assert lib.JaxDsaIndexerNumKernels() == 2
 
 
 @needs_lib

@@ -29,9 +29,10 @@ TARGETS = {
     "jax_dsa_sparse_mla_bwd_deterministic_sm90": "JaxDsaSparseMlaBwdDeterministicSm90",
     "jax_dsa_sparse_mla_bwd_grouped_sm90": "JaxDsaSparseMlaBwdGroupedSm90",
     "jax_dsa_group_union_sm90": "JaxDsaGroupUnionSm90",
+    "jax_dsa_indexer_scores_sm90": "JaxDsaIndexerScoresSm90",
 }
 # Module loaders of the handler files (called once, outside any CUDA-graph capture).
-_INITS = ("JaxDsaInit", "JaxDsaBwdInit", "JaxDsaGroupUnionInit")
+_INITS = ("JaxDsaInit", "JaxDsaBwdInit", "JaxDsaGroupUnionInit", "JaxDsaIndexerInit")
 
 _lock = threading.Lock()
 _lib = None
@@ -131,6 +132,11 @@ def has_group_union() -> bool:
     return _num_kernels("JaxDsaGroupUnionNumKernels") > 0
 
 
+def has_indexer() -> bool:
+    """True when the library holds the indexer kernels. Never raises."""
+    return _num_kernels("JaxDsaIndexerNumKernels") > 0
+
+
 def _i32(x):
     return jnp.asarray(x, jnp.int32)
 
@@ -216,3 +222,18 @@ def sparse_mla_bwd_deterministic(q, kv, idx, topk_length, lse, do, o, coef, *, s
         *_bwd_args(q, kv, idx, topk_length, lse, do, o, coef), order, seg_end, rows,
         scale=np.float32(scale))
     return dq, dkv, delta
+
+
+def indexer_scores(q, k, w, start, *, scale, ratio, poison_outputs=False):
+    """The lightning indexer's scores [B, T, S] float32 (-inf where row s is not visible to
+    token t: (s + 1) * ratio > start + t + 1) on the score kernel (ffi/indexer.cc).
+
+    q [B, T, Hi, 128] bf16/f16 (Hi <= 64), k [B, S, 128] (q's dtype), w [B, T, Hi] (cast to
+    float32), start: an int32 scalar (may be traced), scale: Python float, ratio: Python int.
+    poison_outputs (tests): the handler fills the scores with NaN before the launch.
+    """
+    B, T, _, _ = q.shape
+    out = jax.ShapeDtypeStruct((B, T, k.shape[1]), jnp.float32)
+    return _call("jax_dsa_indexer_scores_sm90", out, q, k, _f32(w),
+                 jnp.reshape(_i32(start), (1,)), scale=np.float32(scale),
+                 ratio=np.int32(ratio), poison=np.int32(bool(poison_outputs)))

@@ -1,0 +1,147 @@
+// XLA FFI handler for the lightning indexer's scores on sm_90a (ffi/kernels/sm90/
+// indexer_scores.py, exported by ffi/build.py as jax_dsa_indexer_scores_<dtype> and listed in
+// JAX_DSA_INDEXER_SPECS).
+//
+//   args:  q [B, T, Hi, 128] bf16/f16, k [B, S, 128] (dtype of q), w [B, T, Hi] f32,
+//          start [1] int32 (position of token 0)
+//   attrs: scale (f32), ratio (int32 >= 1: positions per row of k), poison (int32, tests:
+//          NaN-fill the scores before the launch, so that unwritten elements show)
+//   rets:  scores [B, T, S] f32 (-inf where row s is not visible to token t)
+
+#include "common.h"  // first: defines the loaders' error hook
+
+#include <cstdint>
+#include <string>
+
+#include "jax_dsa_kernels.h"  // generated: includes every exported header
+
+namespace ffi = xla::ffi;
+
+namespace jax_dsa {
+namespace {
+
+constexpr int64_t kIndexerDim = 128;
+constexpr int64_t kIndexerMaxHeads = 64;
+// Tokens per CTA: each CTA loads its 256 rows of k once and streams this many tokens' Q.
+constexpr int32_t kTokensPerCta = 64;
+
+struct IndexerArgs {
+  void *q, *k, *w, *out, *start;
+  int64_t rows_q, rows_k, n_w, n_out;
+  int32_t B, T, Hi, S, ratio, tpc;
+  float scale;
+};
+
+#define JAX_DSA_INDEXER_SPEC(PREFIX)                                                  \
+  JAX_DSA_SPEC(PREFIX) {                                                              \
+    static int32_t launch(const IndexerArgs& a, cudaStream_t s) {                     \
+      PREFIX##_Tensor_mQ_t q{a.q, {a.rows_q}};                                        \
+      PREFIX##_Tensor_mK_t k{a.k, {a.rows_k}};                                        \
+      PREFIX##_Tensor_mW_t w{a.w, {a.n_w}};                                           \
+      PREFIX##_Tensor_mOut_t out{a.out, {a.n_out}};                                   \
+      PREFIX##_Tensor_mStart_t start{a.start, {1}};                                   \
+      return cute_dsl_##PREFIX##_wrapper(&module(), &q, &k, &w, &out, &start, a.B, a.T, \
+                                         a.Hi, a.S, a.ratio, a.tpc, a.scale, s);      \
+    }                                                                                 \
+  };
+JAX_DSA_INDEXER_SPECS(JAX_DSA_INDEXER_SPEC)
+#undef JAX_DSA_INDEXER_SPEC
+
+KernelTable<IndexerArgs>& IndexerKernels() {
+  static KernelTable<IndexerArgs> table{JAX_DSA_INDEXER_SPECS(JAX_DSA_KERNEL_ENTRY)};
+  return table;
+}
+
+ffi::Error IndexerScores(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                         ffi::AnyBuffer w, ffi::AnyBuffer start, float scale, int32_t ratio,
+                         int32_t poison, ffi::Result<ffi::AnyBuffer> scores) {
+  auto err = [](const std::string& m) {
+    return ffi::Error::InvalidArgument("jax_dsa indexer_scores: " + m);
+  };
+  auto qd = q.dimensions(), kd = k.dimensions();
+  const auto dt = q.element_type();
+  if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16)
+    return err("q must be bfloat16 or float16");
+  if (qd.size() != 4 || qd[3] != kIndexerDim)
+    return err("q must be [B, T, Hi, 128], got " + Dims(qd));
+  const int64_t B = qd[0], T = qd[1], Hi = qd[2];
+  if (Hi < 1 || Hi > kIndexerMaxHeads)
+    return err("Hi must be in 1.." + std::to_string(kIndexerMaxHeads) + ", got " +
+               std::to_string(Hi));
+  if (k.element_type() != dt) return err("k must have the dtype of q");
+  if (kd.size() != 3 || kd[0] != B || kd[2] != kIndexerDim)
+    return err("k must be [B, S, 128] with q's B, got " + Dims(kd));
+  const int64_t S = kd[1];
+  if (w.element_type() != ffi::DataType::F32 || !HasDims(w.dimensions(), {B, T, Hi}))
+    return err("w must be float32 [B, T, Hi], got " + Dims(w.dimensions()));
+  if (start.element_type() != ffi::DataType::S32 || start.element_count() != 1)
+    return err("start must be one int32");
+  if (scores->element_type() != ffi::DataType::F32 || !HasDims(scores->dimensions(), {B, T, S}))
+    return err("scores must be float32 [B, T, S], got " + Dims(scores->dimensions()));
+  if (ratio < 1) return err("ratio must be >= 1, got " + std::to_string(ratio));
+  // Kernel scalars are int32: (row + 1) * ratio and start + T must not overflow.
+  if (S < 1 || (S + 1) * ratio > INT32_MAX / 2 || T > INT32_MAX / 2 || B > 65535)
+    return err("need S >= 1, (S + 1) * ratio < 2^30, T < 2^30 and B <= 65535");
+  if (B == 0 || T == 0) return ffi::Error::Success();
+
+  const std::string name = std::string("jax_dsa_indexer_scores_") +
+                           (dt == ffi::DataType::BF16 ? "bf16" : "f16");
+  KernelTable<IndexerArgs>::Launch launch = IndexerKernels().Find(name);
+  if (launch == nullptr)
+    return ffi::Error::Internal("jax_dsa indexer_scores: no kernel " + name + " was built");
+  DeviceGuard guard(device);
+  if (!guard.ok()) return ffi::Error::Internal("jax_dsa indexer_scores: cudaSetDevice failed");
+  cudaError_t le = IndexerKernels().Load();
+  if (le != cudaSuccess)
+    return ffi::Error::Internal(std::string("jax_dsa: loading the kernels failed: ") +
+                                cudaGetErrorString(le));
+
+  if (poison) cudaMemsetAsync(scores->untyped_data(), 0xFF, scores->size_bytes(), stream);
+
+  IndexerArgs a;
+  a.q = q.untyped_data();
+  a.k = k.untyped_data();
+  a.w = w.untyped_data();
+  a.out = scores->untyped_data();
+  a.start = start.untyped_data();
+  a.rows_q = B * T * Hi;
+  a.rows_k = B * S;
+  a.n_w = B * T * Hi;
+  a.n_out = B * T * S;
+  a.B = static_cast<int32_t>(B);
+  a.T = static_cast<int32_t>(T);
+  a.Hi = static_cast<int32_t>(Hi);
+  a.S = static_cast<int32_t>(S);
+  a.ratio = ratio;
+  a.tpc = kTokensPerCta;
+  a.scale = scale;
+  return LaunchStatus("indexer_scores", launch(a, stream));
+}
+
+}  // namespace
+}  // namespace jax_dsa
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaIndexerScoresSm90, jax_dsa::IndexerScores,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // w
+                                  .Arg<ffi::AnyBuffer>()  // start
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("ratio")
+                                  .Attr<int32_t>("poison")
+                                  .Ret<ffi::AnyBuffer>(),  // scores
+                              {ffi::Traits::kCmdBufferCompatible});
+
+// Loads the indexer kernel modules now (on all devices), outside any CUDA graph capture.
+// Returns 0 or a cudaError_t code.
+extern "C" __attribute__((visibility("default"))) int JaxDsaIndexerInit() {
+  return static_cast<int>(jax_dsa::IndexerKernels().Load());
+}
+
+// Number of indexer kernels built into this library.
+extern "C" __attribute__((visibility("default"))) int JaxDsaIndexerNumKernels() {
+  return jax_dsa::IndexerKernels().size();
+}
