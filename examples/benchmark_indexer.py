@@ -12,7 +12,6 @@ inputs (XLA's memory analysis: outputs + temporaries). Timing as examples/benchm
 calls back to back, the device synchronised once per batch, median over batches after warm-up.
 """
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -22,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jax_dsa
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import jax_dsa  # noqa: E402
 
 T, HI, DI = 4096, 64, 128
 # (label, context, ratio, topk)
