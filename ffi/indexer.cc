@@ -1,12 +1,19 @@
-// XLA FFI handler for the lightning indexer's scores on sm_90a (ffi/kernels/sm90/
-// indexer_scores.py, exported by ffi/build.py as jax_dsa_indexer_scores_<dtype> and listed in
-// JAX_DSA_INDEXER_SPECS).
+// XLA FFI handlers of the lightning indexer on sm_90a.
 //
+// JaxDsaIndexerScoresSm90: the scores (ffi/kernels/sm90/indexer_scores.py, exported by
+// ffi/build.py as jax_dsa_indexer_scores_<dtype>, listed in JAX_DSA_INDEXER_SPECS).
 //   args:  q [B, T, Hi, 128] bf16/f16, k [B, S, 128] (dtype of q), w [B, T, Hi] f32,
 //          start [1] int32 (position of token 0)
 //   attrs: scale (f32), ratio (int32 >= 1: positions per row of k), poison (int32, tests:
 //          NaN-fill the scores before the launch, so that unwritten elements show)
 //   rets:  scores [B, T, S] f32 (-inf where row s is not visible to token t)
+//
+// JaxDsaIndexerTopkSm90: each row's top-k by radix select (ffi/kernels/sm90/indexer_topk.py,
+// exported as jax_dsa_indexer_topk, listed in JAX_DSA_SELECT_SPECS).
+//   args:  scores [B, T, S] f32
+//   attrs: topk (int32, 1..kIndexerMaxTopk)
+//   rets:  values [B, T, topk] f32 (highest first, -inf past min(topk, S) and for -inf
+//          scores), idx [B, T, topk] int32 (the columns, ties to the smaller; -1 with -inf)
 
 #include "common.h"  // first: defines the loaders' error hook
 
@@ -20,8 +27,6 @@ namespace ffi = xla::ffi;
 namespace jax_dsa {
 namespace {
 
-constexpr int64_t kIndexerDim = 128;
-constexpr int64_t kIndexerMaxHeads = 64;
 // Tokens per CTA: each CTA loads its 256 rows of k once and streams this many tokens' Q.
 constexpr int32_t kTokensPerCta = 64;
 
@@ -118,8 +123,78 @@ ffi::Error IndexerScores(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, 
   return LaunchStatus("indexer_scores", launch(a, stream));
 }
 
+struct TopkArgs {
+  void *scores, *idx, *val;
+  int64_t n_in, n_out;
+  int32_t R, S, K, n_sort;
+};
+
+#define JAX_DSA_SELECT_SPEC(PREFIX)                                                        \
+  JAX_DSA_SPEC(PREFIX) {                                                                   \
+    static int32_t launch(const TopkArgs& a, cudaStream_t s) {                             \
+      PREFIX##_Tensor_mScores_t scores{a.scores, {a.n_in}};                                \
+      PREFIX##_Tensor_mIdx_t idx{a.idx, {a.n_out}};                                        \
+      PREFIX##_Tensor_mVal_t val{a.val, {a.n_out}};                                        \
+      return cute_dsl_##PREFIX##_wrapper(&module(), &scores, &idx, &val, a.R, a.S, a.K,    \
+                                         a.n_sort, s);                                     \
+    }                                                                                      \
+  };
+JAX_DSA_SELECT_SPECS(JAX_DSA_SELECT_SPEC)
+#undef JAX_DSA_SELECT_SPEC
+
+KernelTable<TopkArgs>& TopkKernels() {
+  static KernelTable<TopkArgs> table{JAX_DSA_SELECT_SPECS(JAX_DSA_KERNEL_ENTRY)};
+  return table;
+}
+
+ffi::Error IndexerTopk(cudaStream_t stream, int32_t device, ffi::AnyBuffer scores, int32_t topk,
+                       ffi::Result<ffi::AnyBuffer> values, ffi::Result<ffi::AnyBuffer> idx) {
+  auto err = [](const std::string& m) {
+    return ffi::Error::InvalidArgument("jax_dsa indexer_topk: " + m);
+  };
+  auto sd = scores.dimensions();
+  if (scores.element_type() != ffi::DataType::F32 || sd.size() != 3)
+    return err("scores must be float32 [B, T, S], got " + Dims(sd));
+  const int64_t B = sd[0], T = sd[1], S = sd[2];
+  if (topk < 1 || topk > kIndexerMaxTopk)
+    return err("topk must be in 1.." + std::to_string(kIndexerMaxTopk) + ", got " +
+               std::to_string(topk));
+  if (values->element_type() != ffi::DataType::F32 || !HasDims(values->dimensions(), {B, T, topk}))
+    return err("values must be float32 [B, T, topk], got " + Dims(values->dimensions()));
+  if (idx->element_type() != ffi::DataType::S32 || !HasDims(idx->dimensions(), {B, T, topk}))
+    return err("idx must be int32 [B, T, topk], got " + Dims(idx->dimensions()));
+  if (S < 1 || S >= INT32_MAX || B * T > INT32_MAX)
+    return err("need 1 <= S < 2^31 - 1 and B * T < 2^31");
+  if (B * T == 0) return ffi::Error::Success();
+  KernelTable<TopkArgs>::Launch launch = TopkKernels().Find("jax_dsa_indexer_topk");
+  if (launch == nullptr)
+    return ffi::Error::Internal("jax_dsa indexer_topk: no kernel jax_dsa_indexer_topk was built");
+  DeviceGuard guard(device);
+  if (!guard.ok()) return ffi::Error::Internal("jax_dsa indexer_topk: cudaSetDevice failed");
+  cudaError_t le = TopkKernels().Load();
+  if (le != cudaSuccess)
+    return ffi::Error::Internal(std::string("jax_dsa: loading the kernels failed: ") +
+                                cudaGetErrorString(le));
+  const int64_t k_eff = topk < S ? topk : S;
+  int32_t n_sort = 1;
+  while (n_sort < k_eff) n_sort *= 2;
+  TopkArgs a{scores.untyped_data(), idx->untyped_data(), values->untyped_data(), B * T * S,
+             B * T * topk, static_cast<int32_t>(B * T), static_cast<int32_t>(S), topk, n_sort};
+  return LaunchStatus("indexer_topk", launch(a, stream));
+}
+
 }  // namespace
 }  // namespace jax_dsa
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaIndexerTopkSm90, jax_dsa::IndexerTopk,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // scores
+                                  .Attr<int32_t>("topk")
+                                  .Ret<ffi::AnyBuffer>()  // values
+                                  .Ret<ffi::AnyBuffer>(),  // idx
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaIndexerScoresSm90, jax_dsa::IndexerScores,
                               ffi::Ffi::Bind()
@@ -138,10 +213,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaIndexerScoresSm90, jax_dsa::IndexerScores,
 // Loads the indexer kernel modules now (on all devices), outside any CUDA graph capture.
 // Returns 0 or a cudaError_t code.
 extern "C" __attribute__((visibility("default"))) int JaxDsaIndexerInit() {
-  return static_cast<int>(jax_dsa::IndexerKernels().Load());
+  cudaError_t e = jax_dsa::IndexerKernels().Load();
+  return static_cast<int>(e != cudaSuccess ? e : jax_dsa::TopkKernels().Load());
 }
 
-// Number of indexer kernels built into this library.
+// Number of indexer kernels (scores and top-k) built into this library.
 extern "C" __attribute__((visibility("default"))) int JaxDsaIndexerNumKernels() {
-  return jax_dsa::IndexerKernels().size();
+  return jax_dsa::IndexerKernels().size() + jax_dsa::TopkKernels().size();
 }

@@ -111,3 +111,35 @@ def test_kernel_selection_matches_the_reference_over_token_chunks(monkeypatch):
         for ti in range(100):
             row = idx[bi, ti][idx[bi, ti] >= 0]
             assert len(set(row.tolist())) == len(row)
+
+
+@pytest.mark.parametrize("s,topk", [(1, 1), (300, 300), (300, 512), (5000, 2048), (131072, 2048),
+                                    (20000, 4096), (777, 1)])
+def test_topk_kernel_matches_the_oracle_with_ties_and_dead_columns(s, topk):
+    """The radix-select kernel alone on float scores with many exact ties, negative scores,
+    -inf columns (not visible) and rows that are all -inf: values and columns exactly the
+    oracle's (highest first, ties to the smaller column, (-inf, -1) past the finite ones)."""
+    _kernel_or_skip()
+    from jax_dsa.cute import ffi
+    rng = np.random.default_rng(s + topk)
+    b, t = 2, 3
+    sc = rng.integers(-20, 20, (b, t, s)).astype(np.float32) * 0.5  # ties everywhere
+    sc[0, 1] = rng.standard_normal(s).astype(np.float32)  # a row of distinct values
+    sc[rng.random((b, t, s)) < 0.3] = -np.inf
+    sc[1, 2] = -np.inf  # a dead token
+    val, idx = jax.jit(ffi.indexer_topk, static_argnums=1)(jnp.asarray(sc), topk)
+    want_idx, want_val = oracle_topk(sc.astype(np.float64), topk)
+    np.testing.assert_array_equal(np.asarray(idx), want_idx)
+    np.testing.assert_array_equal(np.asarray(val), want_val.astype(np.float32))
+
+
+def test_selection_above_the_kernels_topk_limit_uses_xla_top_k():
+    _kernel_or_skip()
+    from jax_dsa.cute.constants import INDEXER_MAX_TOPK
+    q, k, w = _inputs(np.random.default_rng(5), 1, 4, 8, INDEXER_MAX_TOPK + 300, jnp.bfloat16,
+                      integer=True)
+    topk = INDEXER_MAX_TOPK + 10
+    idx = jax_dsa.indexer_topk(q, k, w, topk, start=INDEXER_MAX_TOPK, implementation="cute")
+    want_idx, _ = oracle_topk(oracle_scores(np.asarray(q, np.float32), np.asarray(k, np.float32),
+                                            w, 1.0, 1, INDEXER_MAX_TOPK), topk)
+    np.testing.assert_array_equal(np.asarray(idx), want_idx)

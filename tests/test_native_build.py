@@ -35,9 +35,10 @@ def test_library_loads_and_exports_handlers():
     assert _native.has_group_union()
     lib.JaxDsaGroupUnionNumKernels.restype = ctypes.c_int
     assert lib.JaxDsaGroupUnionNumKernels() == 9
-    assert _native.has_indexer()  # the indexer's score kernel, bf16 and f16
+    assert _native.has_indexer()  # the indexer's score kernel (bf16, f16) and its top-k
     lib.JaxDsaIndexerNumKernels.restype = ctypes.c_int
-    assert lib.JaxDsaIndexerNumKernels() == 2
+    assert lib.JaxDsaIndexerNumKernels() == 3
+    assert getattr(lib, "JaxDsaIndexerTopkSm90") is not None
 
 
 @needs_lib

@@ -22,6 +22,12 @@ GROUPS = (2, 4, 8)
 UNION_TABLES = (2048, 4096, 8192)
 UNION_CAPACITY = 6144
 
+# The lightning indexer's kernels: the head dim, the most heads per call (one wgmma N tile) and
+# the most entries the top-k kernel selects per token (its shared-memory candidate buffer).
+INDEXER_DIM = 128
+INDEXER_MAX_HEADS = 64
+INDEXER_MAX_TOPK = 4096
+
 # Written into jax_dsa_constants.h by ffi/build.py (C++ name: k + CamelCase).
 CPP = ("D_V", "MAX_HEADS", "SMALL_HEADS", "MEMBER_SHIFT", "GROUPS", "UNION_TABLES",
-       "UNION_CAPACITY")
+       "UNION_CAPACITY", "INDEXER_DIM", "INDEXER_MAX_HEADS", "INDEXER_MAX_TOPK")

@@ -30,6 +30,7 @@ TARGETS = {
     "jax_dsa_sparse_mla_bwd_grouped_sm90": "JaxDsaSparseMlaBwdGroupedSm90",
     "jax_dsa_group_union_sm90": "JaxDsaGroupUnionSm90",
     "jax_dsa_indexer_scores_sm90": "JaxDsaIndexerScoresSm90",
+    "jax_dsa_indexer_topk_sm90": "JaxDsaIndexerTopkSm90",
 }
 # Module loaders of the handler files (called once, outside any CUDA-graph capture).
 _INITS = ("JaxDsaInit", "JaxDsaBwdInit", "JaxDsaGroupUnionInit", "JaxDsaIndexerInit")
@@ -237,3 +238,14 @@ def indexer_scores(q, k, w, start, *, scale, ratio, poison_outputs=False):
     return _call("jax_dsa_indexer_scores_sm90", out, q, k, _f32(w),
                  jnp.reshape(_i32(start), (1,)), scale=np.float32(scale),
                  ratio=np.int32(ratio), poison=np.int32(bool(poison_outputs)))
+
+
+def indexer_topk(scores, topk: int):
+    """(values [B, T, topk] float32, idx [B, T, topk] int32): each row's min(topk, S) largest
+    scores of scores [B, T, S] float32, highest first, equal scores to the smaller column;
+    (-inf, -1) in the slots past S and where the score is -inf (ffi/indexer.cc, the
+    radix-select kernel). topk <= INDEXER_MAX_TOPK."""
+    B, T, _ = scores.shape
+    out = (jax.ShapeDtypeStruct((B, T, topk), jnp.float32),
+           jax.ShapeDtypeStruct((B, T, topk), jnp.int32))
+    return _call("jax_dsa_indexer_topk_sm90", out, _f32(scores), topk=np.int32(topk))

@@ -3,8 +3,10 @@
 Inputs are canonical (jax_dsa/indexer.py): q [B, T, Hi, 128] bf16/f16 with Hi <= 64, k [B, S,
 128], weights [B, T, Hi]. The kernel writes the scores of a chunk of tokens, [B, ct, S] float32
 (ct chosen so that a chunk stays within _CHUNK_BYTES), and XLA's top_k selects from each chunk
-inside one loop: peak memory is one chunk's scores and top_k's workspace, never [T, S]. (The
-selection without the score matrix in HBM is the next step: docs/kernel_log.md.)
+inside one loop, and the radix-select kernel (ffi/kernels/sm90/indexer_topk.py; XLA's top_k
+above INDEXER_MAX_TOPK entries) selects from each chunk: peak memory is one chunk's scores,
+never [T, S]. (The selection without the score matrix in HBM is the next step:
+docs/kernel_log.md.)
 """
 from __future__ import annotations
 
@@ -15,9 +17,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_dsa.cute import ffi
-
-DIM = 128
-MAX_HEADS = 64
+from jax_dsa.cute.constants import INDEXER_DIM as DIM, INDEXER_MAX_HEADS as MAX_HEADS
+from jax_dsa.cute.constants import INDEXER_MAX_TOPK as MAX_TOPK
 # Bytes of one token chunk's fp32 scores.
 _CHUNK_BYTES = 256 << 20
 
@@ -59,6 +60,8 @@ def topk(q, k, w, topk_, scale, ratio, start):
         q_c = lax.dynamic_slice_in_dim(q, i * ct, ct, axis=1)
         w_c = lax.dynamic_slice_in_dim(w, i * ct, ct, axis=1)
         sc = ffi.indexer_scores(q_c, k, w_c, start + i * ct, scale=scale, ratio=ratio)
+        if topk_ <= MAX_TOPK:
+            return ffi.indexer_topk(sc, topk_)
         if topk_ > s_rows:
             sc = jnp.pad(sc, [(0, 0), (0, 0), (0, topk_ - s_rows)],
                          constant_values=-jnp.inf)

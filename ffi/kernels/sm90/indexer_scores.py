@@ -36,8 +36,8 @@ import cuda.bindings.driver as cuda
 
 from .common import acc_mn_view, cp_async_16_zfill, quad_allreduce
 
-D = 128  # the indexer head dim
-NP = 64  # heads per GEMM (Hi <= NP, zero-padded)
+
+from jax_dsa.cute.constants import INDEXER_DIM as D, INDEXER_MAX_HEADS as NP  # Hi <= NP
 BM = 64  # rows of k per m-tile
 MT = 2  # m-tiles per consumer warpgroup
 ROWS = 2 * MT * BM  # rows of k per CTA (256)
