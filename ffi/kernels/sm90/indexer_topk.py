@@ -8,7 +8,8 @@ scores are not supported (they order as the floats their bits encode).
 One CTA of 256 threads per row; the row stays in global memory (L2 / HBM):
   1. four histogram passes over the row, one 8-bit digit of an order-preserving 32-bit key each
      (most significant first), counted with shared-memory atomics over the elements whose higher
-     digits match the prefix found so far; a suffix scan of the 256 bins picks the digit that
+     digits match the prefix found so far (each thread loads UNROLL keys, then counts them;
+     aggregating a warp's equal bins with match.any first was slower); a suffix scan of the 256 bins picks the digit that
      holds the K_eff-th largest key. After the fourth pass the K_eff-th largest key `theta` and
      the number `need` of elements equal to it that belong to the top-k are known.
   2. one collection pass: keys above theta take slots 0 .. K_eff - need - 1 in any order (a
@@ -31,8 +32,15 @@ import cuda.bindings.driver as cuda
 from jax_dsa.cute.constants import INDEXER_MAX_TOPK as MAX_K  # candidates in shared memory
 
 THREADS = 256
+UNROLL = 8  # keys loaded per thread before they are counted (loads in flight)
 NEG_INF_BITS = -8388608  # 0xFF800000, float32 -inf
 INT32_MIN = -2147483648
+
+
+def _as_int32(x: int) -> int:
+    """The int32 with the low 32 bits of x (0xFF000000 -> -16777216)."""
+    x &= 0xFFFFFFFF
+    return x - (1 << 32) if x >= 1 << 31 else x
 
 
 class IndexerTopkSm90:
@@ -90,11 +98,16 @@ class IndexerTopkSm90:
             shift = 24 - 8 * d
             hist[tidx] = cutlass.Int32(0)
             cute.arch.sync_threads()
-            for s in cutlass.range(tidx, S, THREADS, unroll=4):
-                u = self._key(mScores[base + cutlass.Int64(s)]) ^ INT32_MIN
-                if (u & mask) == prefix:
-                    cute.arch.atomic_add((hist.iterator + ((u >> shift) & 255)).llvm_ptr,
-                                         cutlass.Int32(1), sem="relaxed", scope="cta")
+            for c0 in cutlass.range(0, S, THREADS * UNROLL, unroll=1):
+                us = cute.make_rmem_tensor(UNROLL, cutlass.Int32)
+                for j in cutlass.range_constexpr(UNROLL):  # the loads first
+                    col = cutlass.min(c0 + tidx + THREADS * j, S - 1)
+                    us[j] = self._key(mScores[base + cutlass.Int64(col)]) ^ INT32_MIN
+                for j in cutlass.range_constexpr(UNROLL):
+                    u = us[j]
+                    if c0 + tidx + THREADS * j < S and (u & mask) == prefix:
+                        cute.arch.atomic_add((hist.iterator + ((u >> shift) & 255)).llvm_ptr,
+                                             cutlass.Int32(1), sem="relaxed", scope="cta")
             cute.arch.sync_threads()
             # Thread i takes bin 255 - i: an inclusive scan counts the keys in bins >= that one.
             h = hist[255 - tidx]
@@ -112,7 +125,7 @@ class IndexerTopkSm90:
             digit = sel[0]
             need = sel[1]
             prefix = prefix | (digit << shift)
-            mask = mask | (255 << shift)
+            mask = mask | cutlass.Int32(_as_int32(255 << shift))
             cute.arch.sync_threads()  # sel and hist are rewritten by the next pass
         theta = prefix ^ INT32_MIN  # the signed key of the k_eff-th largest score
         n_above = k_eff - need
@@ -131,7 +144,8 @@ class IndexerTopkSm90:
             if s < S and key > theta:
                 pos = cute.arch.atomic_add((sel.iterator + 2).llvm_ptr, cutlass.Int32(1),
                                            sem="relaxed", scope="cta")
-                cand[pos] = comp
+                if pos < k_eff:  # always (the counts are exact); never past the buffer
+                    cand[pos] = comp
             eq = s < S and key == theta
             ballot = cute.arch.vote_ballot_sync(eq)
             rank = cute.arch.popc(ballot & ((cutlass.Int32(1) << lane) - 1))
@@ -145,7 +159,7 @@ class IndexerTopkSm90:
                 if w < warp:
                     before = before + cnt
                 total = total + cnt
-            if eq and before + rank < need:
+            if eq and before + rank < need and n_above + before + rank < k_eff:
                 cand[n_above + before + rank] = comp
             taken = taken + total
             cute.arch.sync_threads()
