@@ -174,3 +174,37 @@ def test_batch_and_token_sharded_inputs_give_the_same_selection():
                                                    P("data", "tokens")),
                    out_specs=P("data", "tokens"))
     np.testing.assert_array_equal(np.asarray(jax.jit(sm)(q, k, w)), want)
+
+
+def test_kernel_path_plumbing_with_emulated_kernels(monkeypatch):
+    """jax_dsa.cute.indexer.topk (token chunks, the traced start of each chunk, T padding, the
+    top-k kernel up to INDEXER_MAX_TOPK and XLA's top_k above it) with the two kernels replaced
+    by jnp emulations of their contracts: the oracle's selection exactly (integer inputs)."""
+    from jax_dsa.cute import ffi, indexer as cute_indexer
+
+    def scores(q, k, w, start, *, scale, ratio, poison_outputs=False):
+        dots = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), k.astype(jnp.float32))
+        s = jnp.einsum("bths,bth->bts", jnp.maximum(dots * scale, 0), w)
+        pos = start + jnp.arange(q.shape[1])
+        vis = (jnp.arange(k.shape[1])[None, :] + 1) * ratio <= pos[:, None] + 1
+        return jnp.where(vis[None], s, -jnp.inf)
+
+    def topk(sc, n):
+        pad = max(0, n - sc.shape[-1])
+        sc = jnp.pad(sc, [(0, 0), (0, 0), (0, pad)], constant_values=-jnp.inf)
+        val, idx = jax.lax.top_k(sc, n)
+        return val, jnp.where(jnp.isneginf(val), -1, idx)
+
+    monkeypatch.setattr(ffi, "indexer_scores", scores)
+    monkeypatch.setattr(ffi, "indexer_topk", topk)
+    monkeypatch.setattr(cute_indexer, "_CHUNK_BYTES", 4 * 2 * 30 * 7)  # 7 tokens a chunk
+    monkeypatch.setattr(cute_indexer, "MAX_TOPK", 16)
+    rng = np.random.default_rng(11)
+    q, k, w = _inputs(rng, 2, 23, 3, 16, 30, integer=True)
+    for ratio, start, n in [(1, 5, 8), (4, 90, 12), (1, 0, 40)]:  # 40 > MAX_TOPK and > S
+        jax.clear_caches()
+        val, idx = cute_indexer.topk(jnp.asarray(q), jnp.asarray(k), jnp.asarray(w), n, 1.0,
+                                     ratio, start)
+        want_idx, want_val = oracle_topk(oracle_scores(q, k, w, 1.0, ratio, start), n)
+        np.testing.assert_array_equal(np.asarray(idx), want_idx)
+        np.testing.assert_array_equal(np.asarray(val), want_val)
