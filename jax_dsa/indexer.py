@@ -15,7 +15,8 @@ Two implementations: the Hopper score kernel with XLA's top_k per chunk of token
 CPU/TPU path and the oracle of the kernels), which walks tokens in chunks and, per token chunk,
 the visible rows of k in chunks, keeping a running top-k that it merges with each chunk's
 scores, so that no [T, S] score matrix ever exists (memory O(chunk_t * chunk_s * H)). Scores
-are accumulated in float32 (float64 for float64 inputs).
+are accumulated in float32 (float64 for float64 inputs). Under jit with sharded inputs the
+selection runs per batch / token shard (jax_dsa.sharding.make_indexer_topk).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_dsa import api
+from jax_dsa import api, sharding
 from jax_dsa.reference import varying_like
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -62,17 +63,10 @@ def indexer_topk(q, k, weights, topk, *, scale=1.0, ratio=1, start=0, return_sco
     api._check_flag(return_scores, "return_scores")
     impl = _resolve(implementation, call["q"], call["k"])
     q, k, weights = call["q"], call["k"], call["weights"]
-    ct, cs = _chunks(q.shape[1], k.shape[1], q.shape[2])
-    static = (topk, call["scale"], call["ratio"], call["start"])
-
-    def ref(q, k, weights):
-        return _topk_jit(q, k, weights, *static, ct, cs)
-
-    def kernel(q, k, weights):
-        from jax_dsa.cute import indexer as cute_indexer
-        return cute_indexer.topk(q, k, weights, *static)
-
-    scores, idx = _run(impl, ref, kernel, q, k, weights)
+    b, t = q.shape[:2]
+    # Each token's position travels with it, so a token shard knows where it starts.
+    positions = jnp.broadcast_to(call["start"] + jnp.arange(t, dtype=jnp.int32), (b, t))
+    scores, idx = _topk_op(topk, call["scale"], call["ratio"], impl)(q, k, weights, positions)
     if call["unbatched"]:
         scores, idx = scores[0], idx[0]
     return (idx, scores) if return_scores else idx
@@ -94,6 +88,26 @@ def indexer_scores(q, k, weights, *, scale=1.0, ratio=1, start=0, implementation
 
     out = _run(impl, ref, kernel, call["q"], call["k"], call["weights"])
     return out[0] if call["unbatched"] else out
+
+
+@functools.lru_cache(maxsize=None)
+def _topk_op(topk, scale, ratio, impl):
+    """(scores, idx) of (q, k, weights, positions [B, T] int32), jitted and partitioned: batch
+    and tokens shard, k and the heads are replicated (jax_dsa.sharding.make_indexer_topk)."""
+    def local(q, k, w, positions):
+        start = jnp.sum(positions[:1, :1])  # the shard's first position (0 when empty)
+        ct, cs = _chunks(q.shape[1], k.shape[1], q.shape[2])
+
+        def ref(q, k, w, start):
+            return _topk_jit(q, k, w, start, topk, scale, ratio, ct, cs)
+
+        def kernel(q, k, w, start):
+            from jax_dsa.cute import indexer as cute_indexer
+            return cute_indexer.topk(q, k, w, start, topk, scale, ratio)
+
+        return _run(impl, ref, kernel, q, k, w, start)
+
+    return jax.jit(sharding.make_indexer_topk(local))
 
 
 def _run(impl, ref, kernel, *args):
@@ -229,10 +243,10 @@ def _scores_jit(q, k, w, scale, ratio, start):
     return jnp.where(_visible(jnp.arange(s_rows), pos, ratio, s_rows)[None], s, -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7, 8))
-def _topk_jit(q, k, w, topk, scale, ratio, start, ct, cs):
+@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7, 8))
+def _topk_jit(q, k, w, start, topk, scale, ratio, ct, cs):
     """(scores, idx) [B, T, topk]: a running top-k over chunks of cs visible rows, per chunk of
-    ct tokens."""
+    ct tokens; start (the position of token 0) may be traced."""
     b, t, h, d = q.shape
     s_rows = k.shape[1]
     acc = _acc_dtype(q.dtype)

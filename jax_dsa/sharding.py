@@ -1,4 +1,5 @@
-"""Sharding and batching rules for the two sparse-MLA operations (forward, backward).
+"""Sharding and batching rules for the two sparse-MLA operations (forward, backward) and the
+indexer's selection.
 
 Given kv and idx, tokens, batch entries and heads of q are independent. Under `jax.jit` with
 sharded inputs, `custom_partitioning` keeps q/o/lse (and dq) sharded over batch, tokens and heads,
@@ -7,7 +8,10 @@ partial sink gradient (over token shards) inside the partitioned computation. In
 (all mesh axes manual) custom_partitioning lowers the plain per-shard call, and shard_map's own
 transpose sums the cotangents of replicated inputs.
 
-`vmap` over either operation folds the mapped axis into the batch axis B (one call, no loop).
+The indexer's selection shards over batch and tokens (each token carries its position, so a
+token shard knows its start) and replicates k and the heads (the score sums over them).
+
+`vmap` over any of them folds the mapped axis into the batch axis B (one call, no loop).
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ _FWD_RULE = "b t h d, b s d, b t k, b t, h -> b t h v, b t h"
 _BWD_RULE = ("b t h d, b s d, b t k, b t, h, b t h v, b t h, b t h v, b t h"
              " -> b t h d, b s d, b h")
 _REPLICATED_FACTORS = ("d", "s", "k", "v")
+# The indexer: q [b t h d], k [b s d], weights [b t h], positions [b t] -> scores, idx [b t n].
+_INDEXER_RULE = "b t h d, b s d, b t h, b t -> b t n, b t n"
 
 
 def _entries(sharding, ndim: int):
@@ -60,19 +66,19 @@ def _bwd_specs(b, t, h):
     return args, outs
 
 
-def _fold_vmap(op: Callable, num_outputs: int):
+def _fold_vmap(op: Callable, num_outputs: int, sink_pos: int | None = 4):
     """Make `op` (arrays with a leading batch axis B) vmappable by folding the vmapped axis into B.
 
     Every output leads with B (the sink gradient is returned per batch entry for this reason), so
-    outputs unfold uniformly. The sink ([H]) has no B axis: if it is batched we map sequentially.
+    outputs unfold uniformly. The sink ([H], argument `sink_pos`; None: no such argument) has no
+    B axis: if it is batched we map sequentially.
     """
     folded = jax.custom_batching.custom_vmap(op)
 
     @folded.def_vmap
     def _rule(axis_size, in_batched, *args):
         args = tuple(jnp.asarray(x) for x in args)  # batched NumPy constants reach here unconverted
-        sink_pos = 4
-        if in_batched[sink_pos]:
+        if sink_pos is not None and in_batched[sink_pos]:
             outs = jax.lax.map(lambda a: op(*a), tuple(
                 x if bat else jnp.broadcast_to(x, (axis_size,) + x.shape)
                 for x, bat in zip(args, in_batched)))
@@ -145,3 +151,24 @@ def make_backward(local_bwd: Callable, scale: float, d_v: int, impl: str):
     op.def_partition(partition=partition, infer_sharding_from_operands=infer,
                      sharding_rule=_BWD_RULE, need_replication_factors=_REPLICATED_FACTORS)
     return _fold_vmap(op, num_outputs=3)
+
+
+def make_indexer_topk(local: Callable):
+    """Partitioned, vmappable selection: (q, k, weights, positions) -> (scores, idx)."""
+    op = custom_partitioning(local)
+
+    def specs(arg_shapes):
+        b, t, _, _ = _entries(arg_shapes[0].sharding, 4)
+        return ((P(b, t, None, None), P(b, None, None), P(b, t, None), P(b, t)),
+                (P(b, t, None), P(b, t, None)))
+
+    def infer(mesh, arg_shapes, result_shape):
+        return _named(mesh, specs(arg_shapes)[1])
+
+    def partition(mesh, arg_shapes, result_shape):
+        args, outs = specs(arg_shapes)
+        return mesh, local, _named(mesh, outs), _named(mesh, args)
+
+    op.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                     sharding_rule=_INDEXER_RULE, need_replication_factors=("h", "d", "s", "n"))
+    return _fold_vmap(op, num_outputs=2, sink_pos=None)

@@ -176,35 +176,73 @@ def test_batch_and_token_sharded_inputs_give_the_same_selection():
     np.testing.assert_array_equal(np.asarray(jax.jit(sm)(q, k, w)), want)
 
 
+def _emulated_scores_kernel(q, k, w, start, *, scale, ratio, poison_outputs=False):
+    """jax_dsa.cute.ffi.indexer_scores's contract in jnp (start may be traced)."""
+    dots = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), k.astype(jnp.float32))
+    s = jnp.einsum("bths,bth->bts", jnp.maximum(dots * scale, 0), w)
+    pos = start + jnp.arange(q.shape[1])
+    vis = (jnp.arange(k.shape[1])[None, :] + 1) * ratio <= pos[:, None] + 1
+    return jnp.where(vis[None], s, -jnp.inf)
+
+
+def _emulated_topk_kernel(sc, n):
+    """jax_dsa.cute.ffi.indexer_topk's contract in jnp."""
+    pad = max(0, n - sc.shape[-1])
+    sc = jnp.pad(sc, [(0, 0), (0, 0), (0, pad)], constant_values=-jnp.inf)
+    val, idx = jax.lax.top_k(sc, n)
+    return val, jnp.where(jnp.isneginf(val), -1, idx)
+
+
 def test_kernel_path_plumbing_with_emulated_kernels(monkeypatch):
     """jax_dsa.cute.indexer.topk (token chunks, the traced start of each chunk, T padding, the
     top-k kernel up to INDEXER_MAX_TOPK and XLA's top_k above it) with the two kernels replaced
     by jnp emulations of their contracts: the oracle's selection exactly (integer inputs)."""
     from jax_dsa.cute import ffi, indexer as cute_indexer
 
-    def scores(q, k, w, start, *, scale, ratio, poison_outputs=False):
-        dots = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), k.astype(jnp.float32))
-        s = jnp.einsum("bths,bth->bts", jnp.maximum(dots * scale, 0), w)
-        pos = start + jnp.arange(q.shape[1])
-        vis = (jnp.arange(k.shape[1])[None, :] + 1) * ratio <= pos[:, None] + 1
-        return jnp.where(vis[None], s, -jnp.inf)
-
-    def topk(sc, n):
-        pad = max(0, n - sc.shape[-1])
-        sc = jnp.pad(sc, [(0, 0), (0, 0), (0, pad)], constant_values=-jnp.inf)
-        val, idx = jax.lax.top_k(sc, n)
-        return val, jnp.where(jnp.isneginf(val), -1, idx)
-
-    monkeypatch.setattr(ffi, "indexer_scores", scores)
-    monkeypatch.setattr(ffi, "indexer_topk", topk)
+    monkeypatch.setattr(ffi, "indexer_scores", _emulated_scores_kernel)
+    monkeypatch.setattr(ffi, "indexer_topk", _emulated_topk_kernel)
     monkeypatch.setattr(cute_indexer, "_CHUNK_BYTES", 4 * 2 * 30 * 7)  # 7 tokens a chunk
     monkeypatch.setattr(cute_indexer, "MAX_TOPK", 16)
     rng = np.random.default_rng(11)
     q, k, w = _inputs(rng, 2, 23, 3, 16, 30, integer=True)
     for ratio, start, n in [(1, 5, 8), (4, 90, 12), (1, 0, 40)]:  # 40 > MAX_TOPK and > S
         jax.clear_caches()
-        val, idx = cute_indexer.topk(jnp.asarray(q), jnp.asarray(k), jnp.asarray(w), n, 1.0,
-                                     ratio, start)
+        val, idx = cute_indexer.topk(jnp.asarray(q), jnp.asarray(k), jnp.asarray(w),
+                                     jnp.int32(start), n, 1.0, ratio)
         want_idx, want_val = oracle_topk(oracle_scores(q, k, w, 1.0, ratio, start), n)
         np.testing.assert_array_equal(np.asarray(idx), want_idx)
         np.testing.assert_array_equal(np.asarray(val), want_val)
+
+
+def test_kernel_path_shards_over_batch_and_tokens_with_emulated_kernels(monkeypatch):
+    """The kernel path under jit with q / weights sharded over batch and tokens: each token
+    shard runs the (emulated) kernels on its own tokens from its own start, and the selection
+    is the oracle's."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax_dsa.cute import ffi
+    calls = []
+
+    def scores(q, k, w, start, **kw):
+        calls.append(q.shape)
+        return _emulated_scores_kernel(q, k, w, start, **kw)
+
+    monkeypatch.setattr(ffi, "indexer_scores", scores)
+    monkeypatch.setattr(ffi, "indexer_topk", _emulated_topk_kernel)
+    indexer._topk_op.cache_clear()
+    jax.clear_caches()
+    rng = np.random.default_rng(12)
+    q, k, w = _inputs(rng, 2, 16, 3, 8, 40, integer=True)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "tokens"))
+    qs = jax.device_put(q, NamedSharding(mesh, P("data", "tokens")))
+    ws = jax.device_put(w, NamedSharding(mesh, P("data", "tokens")))
+    ks = jax.device_put(k, NamedSharding(mesh, P("data")))
+    positions = jnp.broadcast_to(20 + jnp.arange(16, dtype=jnp.int32), (2, 16))
+    op = indexer._topk_op(6, 1.0, 1, "cute")
+    val, idx = op(qs, ks, ws, jax.device_put(positions, NamedSharding(mesh, P("data", "tokens"))))
+    want_idx, want_val = oracle_topk(oracle_scores(q, k, w, 1.0, 1, 20), 6)
+    np.testing.assert_array_equal(np.asarray(idx), want_idx)
+    np.testing.assert_array_equal(np.asarray(val), want_val)
+    # The partition lowers the kernels on a shard's shapes (one batch entry, 4 tokens); the
+    # global-shape trace is custom_partitioning's shape inference.
+    assert (1, 4, 3, 8) in calls, calls
+    indexer._topk_op.cache_clear()

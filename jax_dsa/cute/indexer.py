@@ -45,10 +45,10 @@ def scores(q, k, w, *, scale, ratio, start):
     return ffi.indexer_scores(q, k, w, jnp.int32(start), scale=scale, ratio=ratio)
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
-def topk(q, k, w, topk_, scale, ratio, start):
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def topk(q, k, w, start, topk_, scale, ratio):
     """(scores, idx) [B, T, topk]: highest first, ties to the smaller row, (-inf, -1) past the
-    visible rows."""
+    visible rows. start (the position of token 0, an int32 scalar) may be traced."""
     b, t, h, d = q.shape
     s_rows = k.shape[1]
     ct = chunk_tokens(b, t, s_rows)
