@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_dsa import _core
+from jax_dsa import _core, reference
 from jax_dsa.cute import constants
 from jax_dsa.cute.config import Config
 
@@ -21,7 +21,8 @@ _log = logging.getLogger("jax_dsa")
 
 
 def sparse_mla(q, kv, idx, *, scale=None, sink=None, topk_length=None, d_v=None,
-               return_lse=False, implementation=None, deterministic=False, config=None):
+               return_lse=False, implementation=None, deterministic=False, config=None,
+               extra_kv=None, extra_idx=None, extra_topk_length=None):
     """DeepSeek sparse attention (sparse MLA): each query token attends to its own K rows of kv.
 
     Args:
@@ -52,10 +53,19 @@ def sparse_mla(q, kv, idx, *, scale=None, sink=None, topk_length=None, d_v=None,
       config: optional jax_dsa.cute.Config pinning the Hopper kernels (for experts and tests);
         its None fields, and config=None, are chosen per device shard by jax_dsa.cute.select.
         Ignored by the reference.
+      extra_kv, extra_idx, extra_topk_length: a second KV pool ([B, S2, Dqk], q's dtype) with
+        its own lists ([B, T, K2] int32, optional lengths [B, T]), e.g. DeepSeek-V4's sliding
+        window over the raw KV next to the top-k over the compressed KV. Each token attends to
+        the entries of both lists under one softmax (and the sink), without concatenating the
+        pools; gradients reach both. Today this runs as one call per pool whose results are
+        combined by their lse (jax_dsa.reference.combine_partials).
 
     Returns:
       o [B, T, H, d_v] in q's dtype (zeros on a row with no valid entry), and lse if return_lse.
     """
+    if extra_kv is not None or extra_idx is not None or extra_topk_length is not None:
+        return _two_pools(q, kv, idx, scale, sink, topk_length, d_v, return_lse, implementation,
+                          deterministic, config, extra_kv, extra_idx, extra_topk_length)
     call = _prepare(q, kv, idx, scale, sink, topk_length, d_v, return_lse, implementation,
                     deterministic, config)
     q, kv, idx, topk_length, sink = _same_variance(call.q, call.kv, call.idx, call.topk_length,
@@ -72,6 +82,46 @@ def sparse_mla(q, kv, idx, *, scale=None, sink=None, topk_length=None, d_v=None,
 
 
 _eager_attention = jax.jit(_core.attention, static_argnums=(5, 6, 7, 8, 9))
+
+
+def _two_pools(q, kv, idx, scale, sink, topk_length, d_v, return_lse, implementation,
+               deterministic, config, extra_kv, extra_idx, extra_topk_length):
+    """sparse_mla over two pools: each pool's attention without the sink, combined by lse."""
+    if extra_kv is None or extra_idx is None:
+        raise ValueError("extra_kv and extra_idx go together (extra_topk_length is optional); "
+                         f"got extra_kv={'None' if extra_kv is None else 'an array'}, "
+                         f"extra_idx={'None' if extra_idx is None else 'an array'}")
+    main = _prepare(q, kv, idx, scale, sink, topk_length, d_v, return_lse, implementation,
+                    deterministic, config)
+    extra = _prepare(q, extra_kv, extra_idx, scale, None, extra_topk_length, d_v, return_lse,
+                     implementation, deterministic, config,
+                     names=("extra_kv", "extra_idx", "extra_topk_length"))
+    args = _same_variance(main.q, main.kv, main.idx, main.topk_length, extra.kv, extra.idx,
+                          extra.topk_length, main.sink)
+    static = (main.scale, main.d_v, main.impl, extra.impl, config, main.deterministic)
+    if any(isinstance(x, jax.core.Tracer) for x in args):
+        o, lse = _two_pool_attention(*args, *static)
+    else:
+        o, lse = _eager_two_pool_attention(*args, *static)
+    if main.unbatched:
+        o, lse = o[0], lse[0]
+    return (o, lse) if return_lse else o
+
+
+def _two_pool_attention(q, kv, idx, topk_length, kv2, idx2, topk_length2, sink, scale, d_v,
+                        impl, impl2, config, deterministic):
+    no_sink = jnp.full_like(sink, -jnp.inf)
+    o1, lse1 = _core.attention(q, kv, idx, topk_length, no_sink, scale, d_v, impl, config,
+                               deterministic)
+    o2, lse2 = _core.attention(q, kv2, idx2, topk_length2, no_sink, scale, d_v, impl2, config,
+                               deterministic)
+    o, lse = reference.combine_partials(jnp.stack([o1, o2], axis=2),
+                                        jnp.stack([lse1, lse2], axis=2), sink, axis=2)
+    return o.astype(q.dtype), lse.astype(lse1.dtype)
+
+
+_eager_two_pool_attention = jax.jit(_two_pool_attention,
+                                    static_argnums=(8, 9, 10, 11, 12, 13))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,12 +141,13 @@ class _Call:
 
 
 def _prepare(q, kv, idx, scale, sink, topk_length, d_v, return_lse, implementation,
-             deterministic, config) -> _Call:
-    q, kv = _as_array(q, "q"), _as_array(kv, "kv")
-    idx = _as_array(idx, "idx", index=True)
-    unbatched = _check_layout(q, kv, idx)
+             deterministic, config, names=("kv", "idx", "topk_length")) -> _Call:
+    """names: what the messages call kv, idx and topk_length (the second pool's arguments)."""
+    q, kv = _as_array(q, "q"), _as_array(kv, names[0])
+    idx = _as_array(idx, names[1], index=True)
+    unbatched = _check_layout(q, kv, idx, *names[:2])
     if topk_length is not None:
-        topk_length = _as_array(topk_length, "topk_length", index=True)
+        topk_length = _as_array(topk_length, names[2], index=True)
     if unbatched:
         q, kv, idx = q[None], kv[None], idx[None]
         if topk_length is not None:
@@ -109,7 +160,7 @@ def _prepare(q, kv, idx, scale, sink, topk_length, d_v, return_lse, implementati
     _check_flag(deterministic, "deterministic")
     if config is not None and not isinstance(config, Config):
         raise TypeError(f"config must be a jax_dsa.cute.Config or None; got {config!r}")
-    topk_length = _check_topk_length(topk_length, b, t, k, unbatched)
+    topk_length = _check_topk_length(topk_length, b, t, k, unbatched, names[2])
     sink = _check_sink(sink, h, _compute_dtype(q.dtype))
     impl, reason = _resolve_implementation(implementation, q, kv, d_v)
     return _Call(q, kv, idx, topk_length, sink, scale, d_v, impl, reason, bool(deterministic),
@@ -144,7 +195,7 @@ def _check_flag(value, name):
         raise TypeError(f"{name} must be a Python bool; got {value!r}")
 
 
-def _check_layout(q, kv, idx) -> bool:
+def _check_layout(q, kv, idx, kv_name="kv", idx_name="idx") -> bool:
     """Checks ranks, dtypes and the shapes q, kv and idx share. True for the 3-D layout."""
     if q.ndim not in (3, 4):
         raise ValueError(f"q must be [B, T, H, Dqk] or [T, H, Dqk]; got shape {q.shape}")
@@ -152,30 +203,30 @@ def _check_layout(q, kv, idx) -> bool:
     layout = "3-D" if unbatched else "4-D"
     want = "[S, Dqk]" if unbatched else "[B, S, Dqk]"
     if kv.ndim != q.ndim - 1:
-        raise ValueError(f"kv must be {want} for {layout} q; got shape {kv.shape}")
+        raise ValueError(f"{kv_name} must be {want} for {layout} q; got shape {kv.shape}")
     want = "[T, K]" if unbatched else "[B, T, K]"
     if idx.ndim != q.ndim - 1:
-        raise ValueError(f"idx must be {want} for {layout} q; got shape {idx.shape}")
+        raise ValueError(f"{idx_name} must be {want} for {layout} q; got shape {idx.shape}")
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise TypeError(f"q must be a floating dtype (bfloat16, float16, float32); got {q.dtype}")
     if kv.dtype != q.dtype:
-        raise TypeError(f"kv must have q's dtype {q.dtype}; got {kv.dtype}")
+        raise TypeError(f"{kv_name} must have q's dtype {q.dtype}; got {kv.dtype}")
     if idx.dtype != jnp.int32:
-        raise TypeError(f"idx must be int32; got {idx.dtype}")
+        raise TypeError(f"{idx_name} must be int32; got {idx.dtype}")
     qs, kvs, ids = ((1,) + q.shape, (1,) + kv.shape, (1,) + idx.shape) if unbatched else (
         q.shape, kv.shape, idx.shape)
     if kvs[0] != qs[0]:
-        raise ValueError(f"kv's batch size {kvs[0]} differs from q's {qs[0]}")
+        raise ValueError(f"{kv_name}'s batch size {kvs[0]} differs from q's {qs[0]}")
     if ids[0] != qs[0] or ids[1] != qs[1]:
-        raise ValueError(f"idx's batch and token extents {ids[:2]} differ from q's {qs[:2]}")
+        raise ValueError(f"{idx_name}'s batch and token extents {ids[:2]} differ from q's {qs[:2]}")
     if kvs[2] != qs[3]:
-        raise ValueError(f"kv's last dimension {kvs[2]} differs from q's head dim Dqk={qs[3]}")
+        raise ValueError(f"{kv_name}'s last dimension {kvs[2]} differs from q's head dim Dqk={qs[3]}")
     if qs[2] < 1:
         raise ValueError(f"q must have at least one head; got H={qs[2]}")
     if kvs[1] < 1:
-        raise ValueError("kv must have at least one row (S >= 1)")
+        raise ValueError(f"{kv_name} must have at least one row (S >= 1)")
     if ids[2] < 1:
-        raise ValueError("idx must list at least one entry per token (K >= 1)")
+        raise ValueError(f"{idx_name} must list at least one entry per token (K >= 1)")
     return unbatched
 
 
@@ -203,16 +254,16 @@ def _check_scale(scale, dqk) -> float:
     return scale
 
 
-def _check_topk_length(topk_length, b, t, k, unbatched):
+def _check_topk_length(topk_length, b, t, k, unbatched, name="topk_length"):
     if topk_length is None:
         return jnp.full((b, t), k, jnp.int32)
-    topk_length = _as_array(topk_length, "topk_length")
+    topk_length = _as_array(topk_length, name)
     if topk_length.dtype != jnp.int32:
-        raise TypeError(f"topk_length must be int32; got {topk_length.dtype}")
+        raise TypeError(f"{name} must be int32; got {topk_length.dtype}")
     if topk_length.shape != (b, t):
         want = f"[T]=({t},)" if unbatched else f"[B, T]=({b}, {t})"
         got = topk_length.shape[1:] if unbatched else topk_length.shape
-        raise ValueError(f"topk_length must be {want}; got shape {got}")
+        raise ValueError(f"{name} must be {want}; got shape {got}")
     return topk_length
 
 

@@ -150,7 +150,7 @@ def combine_partials(o_parts, lse_parts, sink, *, axis: int):
     acc = acc_dtype(o_parts.dtype)
     lse_parts = lse_parts.astype(acc)
     m = jnp.max(lse_parts, axis=axis)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)  # every part dead: all weights 0
+    m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))  # every part dead: weights 0
     w = jnp.exp(lse_parts - jnp.expand_dims(m, axis))  # 0 for a dead part
     l = jnp.sum(w, axis=axis)
     o = jnp.sum(w[..., None] * o_parts.astype(acc), axis=axis)

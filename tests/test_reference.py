@@ -259,3 +259,74 @@ def test_combine_partials_sink_only_dead_and_nan():
     np.testing.assert_allclose(np.asarray(o)[:, 0], 1.0 / (1.0 + np.exp(0.5)), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(o)[:, 1], 1.0, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(lse)[:, :3], 0.0, atol=1e-7)
+
+
+def _concatenated(p1, p2):
+    """The two-pool problem as one pool: kv2 after kv1, the second list's valid entries shifted
+    by S1 (invalid ones and those past either topk_length set to -1)."""
+    s1, s2 = p1.kv.shape[1], p2.kv.shape[1]
+    v1 = oracle.valid_entries(p1.idx, p1.lengths, s1)
+    v2 = oracle.valid_entries(p2.idx, p2.lengths, s2)
+    idx = np.concatenate([np.where(v1, p1.idx, -1), np.where(v2, p2.idx + s1, -1)], axis=2)
+    return np.concatenate([p1.kv, p2.kv], axis=1), idx.astype(np.int32)
+
+
+@pytest.mark.parametrize("sink,topk", [(True, "partial"), (False, "none"), (True, "full")])
+def test_two_pools_equal_one_pool_over_both(sink, topk):
+    """extra_kv / extra_idx / extra_topk_length: o, lse and every gradient (q, both pools,
+    sink) as the float64 oracle gives them on the concatenated pool; a token dead in both pools
+    gets o = 0 and no gradient."""
+    rng = np.random.default_rng(31 + len(topk) + sink)
+    p1 = make_problem(rng, 2, 3, 4, 576, 50, 20, sink=sink, topk=topk)
+    p2 = make_problem(rng, 2, 3, 4, 576, 30, 9, topk="partial")
+    p2.q = p1.q
+    kv_cat, idx_cat = _concatenated(p1, p2)
+    full = np.full(idx_cat.shape[:2], idx_cat.shape[2], np.int32)
+    o_ref, lse_ref = oracle.numpy_forward(p1.q, kv_cat, idx_cat, full, p1.sink, p1.scale, 512)
+
+    def call(q, kv, kv2, sink_):
+        return jax_dsa.sparse_mla(q, kv, p1.idx, sink=sink_, topk_length=p1.topk_length,
+                                  return_lse=True, implementation="xla", extra_kv=kv2,
+                                  extra_idx=p2.idx, extra_topk_length=p2.topk_length)
+
+    o, lse = call(p1.q, p1.kv, p2.kv, p1.sink)
+    assert rel_err(o, o_ref) < 1e-5
+    dead = np.isneginf(lse_ref)
+    assert dead[0, 0].all()
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), dead)
+    np.testing.assert_allclose(np.asarray(lse)[~dead], lse_ref[~dead], rtol=1e-5, atol=1e-5)
+
+    w_o, w_lse = _loss_weights(rng, p1)
+
+    def loss(q, kv, kv2, sink_):
+        o, lse = call(q, kv, kv2, sink_)
+        return jnp.sum(o * w_o) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_lse)
+
+    argnums = (0, 1, 2, 3) if sink else (0, 1, 2)
+    grads = jax.jit(jax.grad(loss, argnums=argnums))(p1.q, p1.kv, p2.kv, p1.sink)
+    want = oracle.dense_grads(p1.q, kv_cat, idx_cat, full, p1.sink, p1.scale, 512, w_o, w_lse)
+    s1 = p1.kv.shape[1]
+    want = [want[0], want[1][:, :s1], want[1][:, s1:]] + want[2:]
+    for name, g, w in zip(("dq", "dkv", "dextra_kv", "dsink"), grads, want):
+        assert np.all(np.isfinite(g)), name
+        assert rel_err(g, w) < 1e-5, (name, rel_err(g, w))
+    np.testing.assert_array_equal(np.asarray(grads[0])[0, 0], 0.0)
+
+
+def test_two_pool_arguments_name_themselves():
+    q = jnp.zeros((1, 2, 4, 8))
+    kv = jnp.zeros((1, 3, 8))
+    idx = jnp.zeros((1, 2, 1), jnp.int32)
+    kw = dict(d_v=8, implementation="xla")
+    with pytest.raises(ValueError, match="extra_kv and extra_idx go together"):
+        jax_dsa.sparse_mla(q, kv, idx, extra_kv=kv, **kw)
+    with pytest.raises(ValueError, match="extra_idx's batch and token"):
+        jax_dsa.sparse_mla(q, kv, idx, extra_kv=kv, extra_idx=jnp.zeros((1, 3, 1), jnp.int32),
+                           **kw)
+    with pytest.raises(TypeError, match="extra_kv must have q's dtype"):
+        jax_dsa.sparse_mla(q, kv, idx, extra_kv=kv.astype(jnp.bfloat16), extra_idx=idx, **kw)
+    with pytest.raises(ValueError, match="extra_topk_length must be"):
+        jax_dsa.sparse_mla(q, kv, idx, extra_kv=kv, extra_idx=idx,
+                           extra_topk_length=jnp.zeros((1, 3), jnp.int32), **kw)
+    with pytest.raises(ValueError, match="extra_kv's last dimension"):
+        jax_dsa.sparse_mla(q, kv, idx, extra_kv=jnp.zeros((1, 3, 9)), extra_idx=idx, **kw)
