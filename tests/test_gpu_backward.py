@@ -253,3 +253,49 @@ def test_reference_backward_with_deterministic_is_bitwise_reproducible_on_gpu():
     for _ in range(4):
         for name, g0, g in zip(("dq", "dkv", "dsink"), first, fn(q, kv, sink)):
             np.testing.assert_array_equal(np.asarray(g), g0, err_msg=name)
+
+
+@pytest.mark.parametrize("h,d", [(128, 576), (64, 512), (16, 512)], ids=["H128D576", "H64D512",
+                                                                        "H16D512"])
+def test_two_pools_on_the_kernels_match_the_oracle(h, d):
+    """sparse_mla(..., extra_kv=, extra_idx=, extra_topk_length=) on the kernels: o, lse and the
+    gradients of q, both pools and the sink against the float64 oracle on the concatenated
+    pool (the window over a raw KV next to a top-k over a compressed KV)."""
+    _kernel_or_skip()
+    rng = np.random.default_rng(h + d)
+    p1 = make_problem(rng, 1, 8, h, d, 600, 128, sink=True, topk="partial")  # window
+    p2 = make_problem(rng, 1, 8, h, d, 300, 640, topk="partial")  # compressed top-k
+    q = jnp.asarray(p1.q, jnp.bfloat16)
+    kv1, kv2 = jnp.asarray(p1.kv, jnp.bfloat16), jnp.asarray(p2.kv, jnp.bfloat16)
+    s1 = p1.kv.shape[1]
+    v1 = oracle.valid_entries(p1.idx, p1.lengths, s1)
+    v2 = oracle.valid_entries(p2.idx, p2.lengths, p2.kv.shape[1])
+    idx_cat = np.concatenate([np.where(v1, p1.idx, -1), np.where(v2, p2.idx + s1, -1)], axis=2)
+    kv_cat = np.concatenate([np.asarray(kv1, np.float32), np.asarray(kv2, np.float32)], axis=1)
+    full = np.full((1, 8), idx_cat.shape[2], np.int32)
+    w_o = rng.standard_normal((1, 8, h, 512)).astype(np.float32)
+    w_lse = rng.standard_normal((1, 8, h)).astype(np.float32)
+
+    def loss(q, kv1, kv2, sink):
+        o, lse = jax_dsa.sparse_mla(q, kv1, jnp.asarray(p1.idx), sink=sink,
+                                    topk_length=jnp.asarray(p1.topk_length), return_lse=True,
+                                    implementation="cute", extra_kv=kv2,
+                                    extra_idx=jnp.asarray(p2.idx),
+                                    extra_topk_length=jnp.asarray(p2.topk_length))
+        return (jnp.sum(o.astype(jnp.float32) * w_o)
+                + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_lse)), (o, lse)
+
+    (_, (o, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+        q, kv1, kv2, jnp.asarray(p1.sink))
+    o_ref, lse_ref = oracle.numpy_forward(np.asarray(q, np.float32), kv_cat, idx_cat, full,
+                                          p1.sink, p1.scale, 512)
+    assert rel_err(np.asarray(o, np.float32), o_ref) < 1e-2
+    dead = np.isneginf(lse_ref)
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), dead)
+    want = oracle.dense_grads(np.asarray(q, np.float32), kv_cat, idx_cat, full, p1.sink,
+                              p1.scale, 512, w_o, w_lse)
+    want = [want[0], want[1][:, :s1], want[1][:, s1:], want[2]]
+    for name, g, w in zip(("dq", "dkv", "dextra_kv", "dsink"), grads, want):
+        g = np.asarray(g, np.float32)
+        assert np.all(np.isfinite(g)), name
+        assert rel_err(g, w) < 2e-2, (name, rel_err(g, w))
