@@ -7,7 +7,12 @@ causal position and trains the indexer against that attention's distribution; st
 step: the task loss, the indexer's KL, and its recall: the fraction of the dense attention's
 top-k positions (by the head-summed probability) that the indexer's top-k contains.
 
-    python examples/train_dsa.py [--steps 300] [--warmup 100] [--plot out.png]
+    python examples/train_dsa.py [--steps 300] [--warmup 100] [--mesh 2x2] [--plot out.png]
+
+--mesh DxH trains on a (data x heads) mesh of D * H devices (on a CPU machine: fake devices,
+XLA_FLAGS=--xla_force_host_platform_device_count=4): the batch split over "data", the attention
+heads (q and output projections, the sink) over "heads", the indexer and the shared KV
+projection replicated; the same jitted step, partitioned by XLA and jax_dsa's sharding rules.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_dsa
 from jax_dsa.flax import DSAttention
@@ -45,12 +51,39 @@ def recall(model, x, topk):
     return jnp.sum(hit) / jnp.sum(valid_want)
 
 
+def param_spec(path, _):
+    """Head-parallel layout of DSAttention's parameters (the indexer's stay replicated)."""
+    names = [getattr(k, "key", str(k)) for k in path]
+    if names[0] == "wq":
+        return P(None, "heads", None)
+    if names[0] == "wo":
+        return P("heads", None, None)
+    if names[0] == "attn":  # the sink
+        return P("heads")
+    return P()
+
+
+def make_mesh(spec: str):
+    """A (data, heads) mesh from "DxH" over the first D * H devices."""
+    d, h = (int(n) for n in spec.lower().split("x"))
+    devices = jax.devices()
+    if d * h > len(devices):
+        raise SystemExit(f"--mesh {spec} needs {d * h} devices; JAX sees {len(devices)}")
+    return Mesh(np.array(devices[:d * h]).reshape(d, h), ("data", "heads"))
+
+
 def train(*, steps=300, warmup=100, batch=8, tokens=32, d_model=32, num_heads=4, head_dim=16,
-          d_v=16, topk=8, lr=1e-2, seed=0, verbose=True):
-    """Returns a list of per-step dicts (stage, loss, indexer_loss, recall every 10 steps)."""
+          d_v=16, topk=8, lr=1e-2, seed=0, mesh=None, verbose=True):
+    """Returns a list of per-step dicts (stage, loss, indexer_loss, recall every 10 steps).
+    mesh: None, or a (data, heads) jax.sharding.Mesh to train on (see make_mesh)."""
     model = DSAttention(d_model, num_heads, head_dim, d_v, topk=topk, rngs=nnx.Rngs(seed))
     x, y = make_data(jax.random.key(seed + 1), batch, tokens, d_model)
     graphdef, state = nnx.split(model)
+    if mesh is not None:
+        specs = jax.tree_util.tree_map_with_path(param_spec, state)
+        state = jax.tree.map(lambda v, sp: jax.device_put(v, NamedSharding(mesh, sp)), state,
+                             specs)
+        x, y = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
     opt = optax.adam(lr)
     opt_state = opt.init(state)
 
@@ -86,9 +119,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--mesh", help="train on a (data x heads) mesh, e.g. 2x2")
     parser.add_argument("--plot", help="write a PNG of the loss, the KL and the recall")
     args = parser.parse_args(argv)
-    history = train(steps=args.steps, warmup=args.warmup)
+    mesh = make_mesh(args.mesh) if args.mesh else None
+    history = train(steps=args.steps, warmup=args.warmup, mesh=mesh)
     if args.plot:
         try:
             import matplotlib

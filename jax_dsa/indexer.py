@@ -56,13 +56,15 @@ def indexer_topk(q, k, weights, topk, *, scale=1.0, ratio=1, start=0, return_sco
     Returns:
       idx [B, T, topk] int32, sorted by score (highest first, ties to the smaller row), -1 in
       the slots beyond the token's visible rows; with return_scores also scores [B, T, topk]
-      float32 (float64 for float64 inputs), -inf where idx is -1.
+      float32 (float64 for float64 inputs), -inf where idx is -1. The selection is not
+      differentiated: the returned scores carry no gradient to q, k or weights (the indexer
+      trains through `jax_dsa.indexer_loss`, which recomputes its scores).
     """
     call = _prepare(q, k, weights, scale, ratio, start)
     topk = _check_int(topk, "topk", 1)
     api._check_flag(return_scores, "return_scores")
     impl = _resolve(implementation, call["q"], call["k"])
-    q, k, weights = call["q"], call["k"], call["weights"]
+    q, k, weights = (jax.lax.stop_gradient(call[n]) for n in ("q", "k", "weights"))
     b, t = q.shape[:2]
     # Each token's position travels with it, so a token shard knows where it starts.
     positions = jnp.broadcast_to(call["start"] + jnp.arange(t, dtype=jnp.int32), (b, t))

@@ -31,3 +31,15 @@ def test_dsa_layer_trains_and_the_indexer_learns_the_attention():
     assert history[-1]["loss"] < 0.5 * history[0]["loss"]
     assert history[-1]["indexer_loss"] < 0.5 * history[0]["indexer_loss"]
     assert recall[-1] > recall[0] + 0.05 and 0.0 <= min(recall) and max(recall) <= 1.0
+
+
+def test_dsa_layer_trains_the_same_on_a_data_by_heads_mesh():
+    """examples/train_dsa.py --mesh 2x2 (4 fake CPU devices): the same losses as one device, the
+    parameters kept head-sharded through the steps."""
+    plain = train_dsa.train(steps=12, warmup=6, verbose=False)
+    sharded = train_dsa.train(steps=12, warmup=6, verbose=False,
+                              mesh=train_dsa.make_mesh("2x2"))
+    np.testing.assert_allclose([r["loss"] for r in sharded], [r["loss"] for r in plain],
+                               rtol=2e-4, atol=1e-6)
+    np.testing.assert_allclose([r["indexer_loss"] for r in sharded],
+                               [r["indexer_loss"] for r in plain], rtol=2e-4, atol=1e-6)
