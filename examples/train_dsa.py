@@ -7,7 +7,11 @@ causal position and trains the indexer against that attention's distribution; st
 step: the task loss, the indexer's KL, and its recall: the fraction of the dense attention's
 top-k positions (by the head-summed probability) that the indexer's top-k contains.
 
-    python examples/train_dsa.py [--steps 300] [--warmup 100] [--mesh 2x2] [--plot out.png]
+    python examples/train_dsa.py [--steps 300] [--warmup 100] [--style v3.2|v4] [--mesh 2x2]
+                                 [--plot out.png]
+
+--style v4 trains DeepSeek-V4's layout instead: a sliding window over the raw KV plus the
+indexer's top-k of the compressed rows (ratio 4) as a second KV pool.
 
 --mesh DxH trains on a (data x heads) mesh of D * H devices (on a CPU machine: fake devices,
 XLA_FLAGS=--xla_force_host_platform_device_count=4): the batch split over "data", the attention
@@ -38,16 +42,15 @@ def make_data(key, batch, tokens, d_model):
 
 
 def recall(model, x, topk):
-    """Mean fraction of the dense attention's top-k positions found by the indexer's top-k."""
-    _, aux = model(x, stage="dense")
-    want = jax.lax.top_k(aux["target"], topk)[1]  # [B, T, topk] positions (idx = position)
-    q_i, k_i, w_i = model.indexer(x)
-    got = jax_dsa.indexer_topk(q_i, k_i, w_i, topk, scale=model.indexer.scale)
-    t = x.shape[1]
-    visible = jnp.minimum(jnp.arange(t) + 1, topk)  # a token has min(t + 1, k) positions
-    valid_want = jnp.broadcast_to(jnp.arange(topk)[None, None, :] < visible[None, :, None],
-                                  want.shape)
-    hit = jnp.any(want[..., :, None] == got[..., None, :], axis=-1) & valid_want
+    """Mean fraction of the dense attention's top-k candidates (by the head-summed probability)
+    that the indexer's top-k contains; a token with fewer candidates counts the ones it has."""
+    _, dense = model(x, stage="dense")
+    _, sparse = model(x, stage="sparse")
+    candidates = dense["idx"]  # [B, T, C]: positions (v3.2) or compressed rows (v4), -1 absent
+    want = jnp.take_along_axis(candidates, jax.lax.top_k(dense["target"], topk)[1], axis=-1)
+    n_valid = jnp.minimum(jnp.sum(candidates >= 0, axis=-1), topk)
+    valid_want = jnp.arange(topk)[None, None, :] < n_valid[..., None]
+    hit = jnp.any(want[..., :, None] == sparse["idx"][..., None, :], axis=-1) & valid_want
     return jnp.sum(hit) / jnp.sum(valid_want)
 
 
@@ -73,10 +76,16 @@ def make_mesh(spec: str):
 
 
 def train(*, steps=300, warmup=100, batch=8, tokens=32, d_model=32, num_heads=4, head_dim=16,
-          d_v=16, topk=8, lr=1e-2, seed=0, mesh=None, verbose=True):
+          d_v=16, topk=None, lr=1e-2, seed=0, mesh=None, style="v3.2", verbose=True):
     """Returns a list of per-step dicts (stage, loss, indexer_loss, recall every 10 steps).
-    mesh: None, or a (data, heads) jax.sharding.Mesh to train on (see make_mesh)."""
-    model = DSAttention(d_model, num_heads, head_dim, d_v, topk=topk, rngs=nnx.Rngs(seed))
+    mesh: None, or a (data, heads) jax.sharding.Mesh to train on (see make_mesh). style "v3.2"
+    selects topk (default 8) of the positions; "v4" a window of 4 positions plus topk (default
+    3) of the T / 4 compressed rows."""
+    if topk is None:
+        topk = 8 if style == "v3.2" else 3
+    extra = dict(style="v4", window=4, ratio=4) if style == "v4" else {}
+    model = DSAttention(d_model, num_heads, head_dim, d_v, topk=topk, rngs=nnx.Rngs(seed),
+                        **extra)
     x, y = make_data(jax.random.key(seed + 1), batch, tokens, d_model)
     graphdef, state = nnx.split(model)
     if mesh is not None:
@@ -120,10 +129,11 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--mesh", help="train on a (data x heads) mesh, e.g. 2x2")
+    parser.add_argument("--style", default="v3.2", choices=("v3.2", "v4"))
     parser.add_argument("--plot", help="write a PNG of the loss, the KL and the recall")
     args = parser.parse_args(argv)
     mesh = make_mesh(args.mesh) if args.mesh else None
-    history = train(steps=args.steps, warmup=args.warmup, mesh=mesh)
+    history = train(steps=args.steps, warmup=args.warmup, mesh=mesh, style=args.style)
     if args.plot:
         try:
             import matplotlib

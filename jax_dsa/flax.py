@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_dsa import indices
 from jax_dsa.api import sparse_mla
 from jax_dsa.indexer import indexer_topk
 from jax_dsa.indexer_loss import attention_target, indexer_loss
@@ -18,7 +19,8 @@ from jax_dsa.indexer_loss import attention_target, indexer_loss
 class SparseMLA(nnx.Module):
     """Sparse MLA over a shared latent KV, with an optional learnable sink per head.
 
-    Call with q [B, T, H, Dqk], kv [B, S, Dqk], idx [B, T, K] (or the 3-D layouts); returns
+    Call with q [B, T, H, Dqk], kv [B, S, Dqk], idx [B, T, K] (or the 3-D layouts), optionally
+    topk_length and a second pool (extra_kv, extra_idx, extra_topk_length); returns
     o [B, T, H, d_v] (and lse when return_lse=True), exactly as `jax_dsa.sparse_mla`.
 
     Args:
@@ -71,7 +73,8 @@ class SparseMLA(nnx.Module):
                                  f"{tuple(sink.shape)}")
         self.sink = sink
 
-    def __call__(self, q, kv, idx, *, topk_length=None, return_lse: bool = False):
+    def __call__(self, q, kv, idx, *, topk_length=None, return_lse: bool = False, extra_kv=None,
+                 extra_idx=None, extra_topk_length=None):
         sink = None
         if self.sink is not None:
             sink = self.sink[...]
@@ -83,10 +86,13 @@ class SparseMLA(nnx.Module):
                                  f"(q shape {tuple(q.shape)})")
             sink = sink.astype(jnp.promote_types(sink.dtype, jnp.float32))
         dtype = self.dtype or jnp.promote_types(q.dtype, kv.dtype)
+        if extra_kv is not None:
+            extra_kv = extra_kv.astype(dtype)
         return sparse_mla(q.astype(dtype), kv.astype(dtype), idx, scale=self.scale, sink=sink,
                           topk_length=topk_length, d_v=self.d_v, return_lse=return_lse,
                           implementation=self.implementation, config=self.config,
-                          deterministic=self.deterministic_backward)
+                          deterministic=self.deterministic_backward, extra_kv=extra_kv,
+                          extra_idx=extra_idx, extra_topk_length=extra_topk_length)
 
 
 class Indexer(nnx.Module):
@@ -116,46 +122,96 @@ class Indexer(nnx.Module):
 
 
 class DSAttention(nnx.Module):
-    """A DeepSeek Sparse Attention layer: MLA-style shared latent KV, sparse MLA over the
-    indexer's top-k positions, and the indexer trained against the attention (DeepSeek-V3.2).
+    """A DeepSeek Sparse Attention layer: MLA-style shared latent KV, sparse MLA, and the indexer
+    trained against the attention.
 
     `__call__(x, *, stage)` returns (y [B, T, d_model], aux) with aux = {"indexer_loss", "idx",
-    "target"}. stage "dense" (the indexer warm-up): attention over every causal position, and the
-    indexer's KL against that attention's distribution over all of them; stage "sparse": attention
-    over the indexer's `topk` positions, the KL over those. The indexer sees the hidden state
-    detached from the attention's graph, and the target is a constant, so the indexer loss trains
-    only the indexer and the task loss only the attention.
+    "target"}. Two styles:
+
+      "v3.2"  attention over the indexer's `topk` positions of the sequence itself (DeepSeek-V3.2).
+      "v4"    DeepSeek-V4: a sliding window of `window` positions over the raw KV, plus compressed
+              rows (row j: the mean hidden state of positions [j * ratio, (j + 1) * ratio), its
+              own KV projection; visible once complete) as a second KV pool under the same
+              softmax (sparse_mla's extra_kv). With `topk` the indexer selects compressed rows
+              (ratio 4 layers); with topk=None every visible compressed row is attended (the
+              dense ratio-128 layers: no indexer).
+
+    stage "dense" (the indexer warm-up) attends to every candidate (every causal position, or
+    every visible compressed row) and trains the indexer's KL against that attention's
+    distribution over them; stage "sparse" attends to the indexer's top-k and trains the KL over
+    those. The indexer sees the hidden state detached from the attention's graph, and the target
+    is a constant, so the indexer loss trains only the indexer and the task loss only the rest.
+    The attention's per-head sink is learned (SparseMLA).
     """
 
-    def __init__(self, d_model: int, num_heads: int, head_dim: int, d_v: int, *, topk: int,
+    def __init__(self, d_model: int, num_heads: int, head_dim: int, d_v: int, *, topk,
                  index_heads: int = 4, index_dim: int = 16, rngs: nnx.Rngs, dtype=None,
-                 implementation=None):
+                 implementation=None, style: str = "v3.2", window: int = 8, ratio: int = 4):
+        if style not in ("v3.2", "v4"):
+            raise ValueError(f"style must be 'v3.2' or 'v4'; got {style!r}")
+        if topk is None and style != "v4":
+            raise ValueError("topk=None (no indexer) is the dense compressed layer of style 'v4'")
         init = nnx.initializers.lecun_normal()
         self.wq = nnx.Param(init(rngs.params(), (d_model, num_heads, head_dim)))
         self.wkv = nnx.Param(init(rngs.params(), (d_model, head_dim)))
         self.wo = nnx.Param(init(rngs.params(), (num_heads, d_v, d_model)) * 0.5)
         self.attn = SparseMLA(num_heads, d_v=d_v, dtype=dtype, implementation=implementation)
-        self.indexer = Indexer(d_model, index_heads, index_dim, rngs=rngs)
-        self.topk = topk
+        self.indexer = (Indexer(d_model, index_heads, index_dim, rngs=rngs)
+                        if topk is not None else None)
+        self.wkv_c = (nnx.Param(init(rngs.params(), (d_model, head_dim))) if style == "v4"
+                      else None)
+        self.topk, self.style, self.window, self.ratio = topk, style, window, ratio
 
     def __call__(self, x, *, stage: str = "sparse"):
+        if stage not in ("dense", "sparse"):
+            raise ValueError(f"stage must be 'dense' or 'sparse'; got {stage!r}")
+        q = jnp.einsum("btm,mhd->bthd", x, self.wq[...])
+        kv = jnp.einsum("btm,md->btd", x, self.wkv[...])
+        if self.style == "v3.2":
+            o, lse, pool, idx, q_i, k_i, w_i = self._v32(x, q, kv, stage)
+        else:
+            o, lse, pool, idx, q_i, k_i, w_i = self._v4(x, q, kv, stage)
+        y = jnp.einsum("bthv,hvm->btm", o, self.wo[...].astype(o.dtype))
+        sink = None if self.attn.sink is None else jax.lax.stop_gradient(self.attn.sink[...])
+        # The target over the indexer's candidates: the attention's probabilities of those
+        # entries (with the whole call's lse, so each head weighs as in the attention).
+        target = attention_target(jax.lax.stop_gradient(q), jax.lax.stop_gradient(pool), idx,
+                                  sink=sink, lse=jax.lax.stop_gradient(lse))
+        if self.indexer is None:
+            loss = jnp.zeros((), jnp.float32)
+        else:
+            loss = indexer_loss(q_i, k_i, w_i, idx, target, scale=self.indexer.scale)
+        return y, {"indexer_loss": loss, "idx": idx, "target": target}
+
+    def _v32(self, x, q, kv, stage):
         b, t, _ = x.shape
         q_i, k_i, w_i = self.indexer(jax.lax.stop_gradient(x))
         if stage == "dense":
             pos = jnp.arange(t)
             idx = jnp.where(pos[None, :] <= pos[:, None], pos[None, :], -1)
             idx = jnp.broadcast_to(idx.astype(jnp.int32), (b, t, t))
-        elif stage == "sparse":
-            idx = indexer_topk(q_i, k_i, w_i, self.topk, scale=self.indexer.scale)
         else:
-            raise ValueError(f"stage must be 'dense' or 'sparse'; got {stage!r}")
-        q = jnp.einsum("btm,mhd->bthd", x, self.wq[...])
-        kv = jnp.einsum("btm,md->btd", x, self.wkv[...])
+            idx = indexer_topk(q_i, k_i, w_i, self.topk, scale=self.indexer.scale)
         o, lse = self.attn(q, kv, idx, return_lse=True)
-        y = jnp.einsum("bthv,hvm->btm", o, self.wo[...].astype(o.dtype))
-        sink = None if self.attn.sink is None else self.attn.sink[...]
-        target = attention_target(jax.lax.stop_gradient(q), jax.lax.stop_gradient(kv), idx,
-                                  sink=None if sink is None else jax.lax.stop_gradient(sink),
-                                  lse=jax.lax.stop_gradient(lse))
-        loss = indexer_loss(q_i, k_i, w_i, idx, target, scale=self.indexer.scale)
-        return y, {"indexer_loss": loss, "idx": idx, "target": target}
+        return o, lse, kv, idx, q_i, k_i, w_i
+
+    def _v4(self, x, q, kv, stage):
+        b, t, m = x.shape
+        n_c = indices.num_compressed(t, self.ratio)
+        if n_c < 1:
+            raise ValueError(f"style 'v4' needs T >= ratio = {self.ratio} (one complete "
+                             f"compressed row); got T = {t}")
+        x_c = x[:, :n_c * self.ratio].reshape(b, n_c, self.ratio, m).mean(axis=2)
+        kv_c = jnp.einsum("bsm,md->bsd", x_c, self.wkv_c[...])
+        window = jnp.broadcast_to(indices.sliding_window(t, self.window), (b, t, self.window))
+        q_i = k_i = w_i = None
+        if self.indexer is not None:
+            q_i, k_i, w_i = self.indexer(jax.lax.stop_gradient(x),
+                                         kv_x=jax.lax.stop_gradient(x_c))
+        if stage == "dense" or self.indexer is None:
+            idx = jnp.broadcast_to(indices.compressed_causal(t, self.ratio), (b, t, n_c))
+        else:
+            idx = indexer_topk(q_i, k_i, w_i, self.topk, scale=self.indexer.scale,
+                               ratio=self.ratio)
+        o, lse = self.attn(q, kv, window, return_lse=True, extra_kv=kv_c, extra_idx=idx)
+        return o, lse, kv_c, idx, q_i, k_i, w_i

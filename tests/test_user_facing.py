@@ -208,3 +208,21 @@ def test_benchmark_small_mode_reports_the_real_k(tmp_path):
     k = int(row.split("|")[3])
     # T = 256 < top-k 512: 256 distinct rows plus the window (-1 before the start).
     assert k == round((256 * 256 + sum(min(t + 1, 128) for t in range(256))) / 256)
+
+
+def test_dsattention_styles_and_their_errors():
+    from flax import nnx
+    from jax_dsa.flax import DSAttention
+    with pytest.raises(ValueError, match="style must be"):
+        DSAttention(8, 2, 8, 8, topk=2, style="v5", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="topk=None"):
+        DSAttention(8, 2, 8, 8, topk=None, rngs=nnx.Rngs(0))
+    dense_c = DSAttention(8, 2, 8, 8, topk=None, style="v4", window=2, ratio=4, rngs=nnx.Rngs(0))
+    x = jnp.ones((1, 12, 8))
+    y, aux = dense_c(x)  # every visible compressed row; no indexer, no indexer loss
+    assert y.shape == (1, 12, 8) and aux["idx"].shape == (1, 12, 3)
+    assert float(aux["indexer_loss"]) == 0.0 and dense_c.indexer is None
+    with pytest.raises(ValueError, match="needs T >= ratio"):
+        dense_c(jnp.ones((1, 3, 8)))
+    with pytest.raises(ValueError, match="stage must be"):
+        dense_c(x, stage="warm")
