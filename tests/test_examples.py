@@ -6,6 +6,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
+import benchmark_layer  # noqa: E402
 import quickstart  # noqa: E402
 import train_dsa  # noqa: E402
 import train_flax  # noqa: E402
@@ -53,3 +54,11 @@ def test_v4_style_layer_trains_with_a_window_and_compressed_rows():
     assert history[-1]["loss"] < 0.5 * history[0]["loss"]
     assert history[-1]["indexer_loss"] < 0.5 * history[0]["indexer_loss"]
     assert recall[-1] > recall[0] + 0.05 and max(recall) <= 1.0
+
+
+def test_layer_benchmark_runs_small():
+    (label, impl, times), = benchmark_layer.main(["--small", "--impls", "xla", "--batches", "1",
+                                                  "--shapes", "V4-Flash"])
+    assert (label, impl) == ("V4-Flash", "xla")
+    assert set(times) == {"indexer", "attn fwd", "attn bwd", "target", "index bwd", "step"}
+    assert all(v > 0 for v in times.values())

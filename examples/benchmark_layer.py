@@ -1,0 +1,140 @@
+"""Benchmark of one DSA layer's training step, piece by piece (DeepSeek-V4 layout).
+
+    python examples/benchmark_layer.py [--impls cute,xla] [--shapes V4-Flash,V4-Pro] [--small]
+
+T = 4096 queries at the end of a sequence of S = 64K positions: a window of 128 raw-KV rows
+plus the indexer's top-k of the S / 4 compressed rows (ratio 4) as a second KV pool, a learned
+sink; the indexer has Hi = 64 heads of Di = 128 over the compressed rows. Pieces, each a jitted
+function timed on its own (wall clock of back-to-back calls, median of batches):
+
+  indexer      jax_dsa.indexer_topk (scores + top-k of the compressed rows)
+  attn fwd     jax_dsa.sparse_mla over both pools (o, lse)
+  attn bwd     its VJP alone (the residuals as inputs)
+  target       jax_dsa.attention_target over the compressed entries (from the saved lse)
+  index bwd    jax_dsa.indexer_loss and its gradients (q_i, k_i, weights)
+  step         all of it in one program: selection, forward, target, both losses' gradients
+
+--small runs CPU-sized shapes (T = 64, S = 1024) to check the script.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import jax_dsa  # noqa: E402
+
+WINDOW, RATIO, HI, DI = 128, 4, 64, 128
+# (label, H, Dqk, compressed top-k)
+SHAPES = [("V4-Flash", 64, 512, 512), ("V4-Pro", 128, 512, 1024)]
+
+
+def time_call(fn, args, calls=3, batches=5):
+    jax.block_until_ready(fn(*args))
+    per = []
+    for _ in range(batches):
+        start = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        per.append((time.perf_counter() - start) / calls)
+    return statistics.median(per)
+
+
+def inputs(rng, t, s, h, d):
+    n_c = s // RATIO
+    bf = jnp.bfloat16
+
+    def normal(*shape, dtype=bf):
+        return jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+
+    return dict(q=normal(1, t, h, d), kv=normal(1, s, d), kv_c=normal(1, n_c, d),
+                sink=normal(h, dtype=jnp.float32), q_i=normal(1, t, HI, DI),
+                k_i=normal(1, n_c, DI), w_i=normal(1, t, HI, dtype=jnp.float32),
+                window=jnp.asarray(jax_dsa.indices.sliding_window(t, WINDOW, start=s - t))[None])
+
+
+def pieces(impl, topk, start):
+    def select(a):
+        return jax_dsa.indexer_topk(a["q_i"], a["k_i"], a["w_i"], topk, scale=DI ** -0.5,
+                                    ratio=RATIO, start=start, implementation=impl)
+
+    def attend(q, kv, kv_c, sink, window, idx):
+        return jax_dsa.sparse_mla(q, kv, window, sink=sink, return_lse=True,
+                                  implementation=impl, extra_kv=kv_c, extra_idx=idx)
+
+    def target(a, idx, lse):
+        return jax_dsa.attention_target(a["q"], a["kv_c"], idx, sink=a["sink"], lse=lse)
+
+    def index_loss(q_i, k_i, w_i, idx, tgt):
+        return jax_dsa.indexer_loss(q_i, k_i, w_i, idx, tgt, scale=DI ** -0.5)
+
+    index_grad = jax.grad(index_loss, argnums=(0, 1, 2))
+
+    def step(a):
+        idx = select(a)
+
+        def attn_loss(q, kv, kv_c, sink):
+            o, _ = attend(q, kv, kv_c, sink, a["window"], idx)
+            return jnp.mean(o.astype(jnp.float32) ** 2)
+
+        _, lse = attend(a["q"], a["kv"], a["kv_c"], a["sink"], a["window"], idx)
+        grads = jax.grad(attn_loss, argnums=(0, 1, 2, 3))(a["q"], a["kv"], a["kv_c"], a["sink"])
+        tgt = target(a, idx, lse)
+        return grads, index_grad(a["q_i"], a["k_i"], a["w_i"], idx, tgt)
+
+    return select, attend, target, index_grad, step
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--impls", default="cute,xla")
+    ap.add_argument("--shapes", default="", help="comma-separated labels (default: all)")
+    ap.add_argument("--small", action="store_true", help="CPU-sized shapes (T 64, S 1024)")
+    ap.add_argument("--batches", type=int, default=5)
+    args = ap.parse_args(argv)
+    t, s = (64, 1024) if args.small else (4096, 65536)
+    keep = [x for x in args.shapes.split(",") if x]
+    impls = args.impls.split(",")
+    print(f"jax {jax.__version__}, jax_dsa {jax_dsa.__version__}, {jax.devices()[0].device_kind};"
+          f" T = {t}, S = {s}, window {WINDOW} + compressed top-k at ratio {RATIO}")
+    results = []
+    for label, h, d, topk in SHAPES:
+        if keep and label not in keep:
+            continue
+        topk = min(topk, s // RATIO)
+        a = inputs(np.random.default_rng(0), t, s, h, d)
+        for impl in impls:
+            select, attend, target, index_grad, step = pieces(impl, topk, s - t)
+            idx = jax.jit(select)(a)
+            fwd = jax.jit(attend)
+            fargs = (a["q"], a["kv"], a["kv_c"], a["sink"], a["window"], idx)
+            o, lse = fwd(*fargs)
+            (_, vjp_fn) = jax.vjp(lambda q, kv, kv_c, sink: attend(q, kv, kv_c, sink, a["window"],
+                                                                    idx)[0],
+                                  a["q"], a["kv"], a["kv_c"], a["sink"])
+            tgt = jax.jit(target)(a, idx, lse)
+            times = {
+                "indexer": time_call(jax.jit(select), (a,), batches=args.batches),
+                "attn fwd": time_call(fwd, fargs, batches=args.batches),
+                "attn bwd": time_call(jax.jit(lambda f, do: f(do)), (vjp_fn, o),
+                                      batches=args.batches),
+                "target": time_call(jax.jit(target), (a, idx, lse), batches=args.batches),
+                "index bwd": time_call(jax.jit(index_grad), (a["q_i"], a["k_i"], a["w_i"], idx,
+                                                             tgt), batches=args.batches),
+                "step": time_call(jax.jit(step), (a,), batches=args.batches),
+            }
+            results.append((label, impl, times))
+            print(f"{label:9s} {impl:5s} " + "  ".join(f"{k} {v * 1e3:8.2f} ms"
+                                                       for k, v in times.items()), flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()
