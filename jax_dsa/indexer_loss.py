@@ -72,7 +72,8 @@ def _target(q, kv, idx, tl, sink, lse, scale):
     return reference._merge(lax.map(one_chunk, (qc, ic, lc, lsec)), pad)
 
 
-def indexer_loss(q, k, weights, idx, target, *, scale=1.0, topk_length=None, reduction="mean"):
+def indexer_loss(q, k, weights, idx, target, *, scale=1.0, topk_length=None, reduction="mean",
+                 deterministic=False):
     """KL(target || softmax over the selected entries of the indexer's scores), per token.
 
     Args:
@@ -83,12 +84,15 @@ def indexer_loss(q, k, weights, idx, target, *, scale=1.0, topk_length=None, red
         (treated as a constant).
       scale: as indexer_topk. reduction: "mean" over tokens with a valid entry, "sum", or
         "none" ([B, T]).
+      deterministic: make dk bitwise reproducible run to run (as sparse_mla's): each row of k
+        sums its entries' contributions in a fixed order instead of by scatter-add atomics.
 
     Differentiable in q, k and weights (custom_vjp); tokens without a valid entry give 0.
     """
+    api._check_flag(deterministic, "deterministic")
     call = _prepare_loss(q, k, weights, idx, target, scale, topk_length, reduction)
     per_token = _kl(call["q"], call["k"], call["w"], call["idx"], call["tl"], call["target"],
-                    call["scale"])
+                    call["scale"], bool(deterministic))
     if reduction == "none":
         return per_token[0] if call["unbatched"] else per_token
     live = jnp.any(reference.valid_mask(call["idx"], call["tl"], call["k"].shape[1]), axis=-1)
@@ -154,8 +158,8 @@ def _kl_terms(score, valid, target):
     return kl, e / jnp.where(z > 0, z, 1.0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _kl(q, k, w, idx, tl, target, scale):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _kl(q, k, w, idx, tl, target, scale, deterministic):
     """Per-token KL [B, T]."""
     (qc, wc, ic, lc, tc), pad = _token_chunks(q, idx, q, w, idx, tl, target)
 
@@ -167,11 +171,11 @@ def _kl(q, k, w, idx, tl, target, scale):
     return reference._merge(lax.map(one_chunk, (qc, wc, ic, lc, tc)), pad)
 
 
-def _kl_fwd(q, k, w, idx, tl, target, scale):
-    return _kl(q, k, w, idx, tl, target, scale), (q, k, w, idx, tl, target)
+def _kl_fwd(q, k, w, idx, tl, target, scale, deterministic):
+    return _kl(q, k, w, idx, tl, target, scale, deterministic), (q, k, w, idx, tl, target)
 
 
-def _kl_bwd(scale, res, g):
+def _kl_bwd(scale, deterministic, res, g):
     """d KL_t / d score_j = p_j * sum(target) - target_j; then through the weighted ReLU."""
     q, k, w, idx, tl, target = res
     b, t, h, d = q.shape
@@ -192,7 +196,9 @@ def _kl_bwd(scale, res, g):
         dq = jnp.einsum("bthk,btkd->bthd", ddots, rows.astype(acc), precision=_HIGHEST)
         drow = jnp.einsum("bthk,bthd->btkd", ddots, q_.astype(acc), precision=_HIGHEST)
         target_rows = jnp.where(valid, i_, s_rows)  # invalid entries point past the end: dropped
-        dk_acc = jax.vmap(reference._scatter_add_rows)(dk_acc, target_rows, drow)
+        scatter = (reference._scatter_add_rows_in_order if deterministic
+                   else reference._scatter_add_rows)
+        dk_acc = jax.vmap(scatter)(dk_acc, target_rows, drow)
         return dk_acc, (dq.astype(q.dtype), dw.astype(w.dtype))
 
     dk0 = reference.varying_like(jnp.zeros((b, s_rows, d), acc), q, idx, g)

@@ -158,3 +158,22 @@ def test_indexer_loss_bad_arguments(kwargs, match):
     args.update({n: kwargs.pop(n) for n in ("idx", "target") if n in kwargs})
     with pytest.raises(ValueError, match=match):
         jax_dsa.indexer_loss(q, k, w, args["idx"], args["target"], **kwargs)
+
+
+def test_deterministic_indexer_loss_gradients_equal_the_default():
+    """deterministic=True (dk summed per row in a fixed order) gives the same gradients as the
+    scatter-add, the rows duplicated in the lists included; the flag must be a bool."""
+    q, k, w, idx, lengths, target = _loss_problem(seed=5)
+    idx = idx.copy()
+    idx[:, :, 1] = idx[:, :, 0]  # duplicated rows within a token
+    args = tuple(jnp.asarray(x, jnp.float32) for x in (q, k, w))
+
+    def grads(det):
+        f = lambda q, k, w: jax_dsa.indexer_loss(q, k, w, idx, target, topk_length=lengths,  # noqa
+                                                 deterministic=det)
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2)))(*args)
+
+    for a, b in zip(grads(False), grads(True)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match="deterministic must be"):
+        jax_dsa.indexer_loss(*args, idx, target, deterministic=1)
