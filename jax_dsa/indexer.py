@@ -190,6 +190,14 @@ def kernel_problem(q, k) -> str | None:
     return problem
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_fallback(shape, dtype, problem):
+    """Logs once per shape that a call on a Hopper GPU runs the (slower) reference."""
+    api._log.warning("jax_dsa indexer: q %s %s runs the pure-JAX reference, not the Hopper "
+                     "kernels: %s (pass implementation='xla' to silence this)", shape, dtype,
+                     problem)
+
+
 def _resolve(implementation, q, k) -> str:
     """"xla", "cute" or "auto" (the kernel when lowered for CUDA, else the reference)."""
     names = (tuple(implementation) if isinstance(implementation, Sequence)
@@ -200,6 +208,8 @@ def _resolve(implementation, q, k) -> str:
                          f"'cute'; got {implementation!r}")
     problem = kernel_problem(q, k)
     if names == (None,):
+        if problem and api.kernel_runtime_problem() is None:
+            _warn_fallback(q.shape, q.dtype, problem)
         return "xla" if problem else "auto"
     for name in names:
         if name == "xla":

@@ -226,3 +226,19 @@ def test_dsattention_styles_and_their_errors():
         dense_c(jnp.ones((1, 3, 8)))
     with pytest.raises(ValueError, match="stage must be"):
         dense_c(x, stage="warm")
+
+
+def test_indexer_fallback_on_a_hopper_gpu_logs_once_per_shape(monkeypatch, caplog):
+    """indexer_topk with implementation=None and inputs the kernels do not take (float32 here)
+    on a machine whose kernels could run logs once per shape, then runs the reference."""
+    from jax_dsa import indexer
+    monkeypatch.setattr(api, "kernel_runtime_problem", lambda: None)
+    indexer._warn_fallback.cache_clear()
+    q = jnp.zeros((1, 4, 2, 128), jnp.float32)
+    k = jnp.zeros((1, 8, 128), jnp.float32)
+    w = jnp.zeros((1, 4, 2), jnp.float32)
+    with caplog.at_level(logging.WARNING, logger="jax_dsa"):
+        for _ in range(3):
+            jax_dsa.indexer_topk(q, k, w, 2)
+    msgs = [r.getMessage() for r in caplog.records if r.name == "jax_dsa"]
+    assert len(msgs) == 1 and "indexer" in msgs[0] and "float32" in msgs[0], msgs
