@@ -41,6 +41,14 @@ def chunk16(t: cute.Tensor, row, c) -> cute.Tensor:
     return cute.local_tile(t, (1, 8), (row, c))[0, None]
 
 
+def sw128_offset(rows: int, row, chunk):
+    """Byte offset of 16-byte chunk `chunk` of row `row` in a K-major 128 B-swizzled tile of
+    `rows` rows (rows % 8 == 0) based at a 1024-byte-aligned address: the layout of
+    tile_to_shape(K_SW128 atom, (rows, cols), (0, 1)) with the swizzle applied. For producers
+    that write wgmma operands with cp.async at computed addresses."""
+    return ((chunk // 8) * rows + row) * 128 + (((chunk % 8) ^ (row % 8)) * 16)
+
+
 def ring_stage(base, layout, stage) -> cute.Tensor:
     """Tensor `layout` at base + stage * cosize(layout) elements. Offsets are multiples of the
     512-element (1 KB) swizzle period, so the swizzle phase is unchanged."""

@@ -38,7 +38,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 import cuda.bindings.driver as cuda
 
-from .common import LN_2, LOG2_E, acc_mn_view, cp_async_16_zfill, fwd_fake_args
+from .common import (LN_2, LOG2_E, acc_mn_view, cp_async_16_zfill, fwd_fake_args,
+                     sw128_offset)
 
 # Tokens per CTA = ceil(B*T / CTA_TARGET): about 4 waves of 1-CTA-per-SM work on 132 SMs.
 CTA_TARGET = 528
@@ -149,13 +150,6 @@ class _SmallHKernel:
             **({"min_blocks_per_mp": 1} if self.split_regs else {}),
         )
 
-    @staticmethod
-    def _sw128(rows: int, row, chunk):
-        """Byte offset of 16-byte chunk `chunk` of row `row` in a K-major 128 B-swizzled tile of
-        `rows` rows (rows % 8 == 0) based at a 1024-byte-aligned address: the layout of
-        tile_to_shape(K_SW128 atom, (rows, cols), (0, 1)) with the swizzle applied."""
-        return ((chunk // 8) * rows + row) * 128 + (((chunk % 8) ^ (row % 8)) * 16)
-
     # ------------------------------------------------------------------ block stream
     @staticmethod
     def _n_blocks(mLen, tok, tok_end, K, bn):
@@ -192,7 +186,7 @@ class _SmallHKernel:
         qfull = mbar + 2 * ring
         qempty = mbar + 2 * ring + 2
         # Byte offsets of this thread's 4 destination chunks inside a slab.
-        dst_off = [self._sw128(bn, prow + 16 * q, pch) for q in range(4)]
+        dst_off = [sw128_offset(bn, prow + 16 * q, pch) for q in range(4)]
 
         pos = cutlass.Int32(0)  # ring position of the next slab
         ph = cutlass.Int32(0)  # parity of its use count
@@ -232,7 +226,7 @@ class _SmallHKernel:
                                     * cutlass.Int64(self.d_qk) + cutlass.Int64(8 * ch)
                                 ) * 2
                                 nbytes = cutlass.Int32(16)
-                            cp_async_16_zfill(q_dst + self._sw128(np_, h, ch), src, nbytes)
+                            cp_async_16_zfill(q_dst + sw128_offset(np_, h, ch), src, nbytes)
                     cute.arch.cp_async_mbarrier_arrive_noinc(qfull + qb)
 
             for r in cutlass.range(n_rounds, unroll=1):

@@ -21,7 +21,7 @@ Grid (ceil(S / 256), ceil(T / tpc), B), 384 threads = 3 warpgroups, one CTA per 
   Tokens before the first that sees row p0 (causal: the tile is entirely in their future) run
   no GEMM: the consumers store -inf for them.
 Shared memory: k 64 KB + NSTAGE x 16 KB Q = 128 KB. The wgmma operands are K-major with the
-128-byte swizzle; the producer writes them at the swizzled byte offsets (_sw128).
+128-byte swizzle; the producer writes them at the swizzled byte offsets (sw128_offset).
 
 Entry point: compile_indexer_scores(dtype); ffi/build.py exports it as
 jax_dsa_indexer_scores_<dtype> (ffi/indexer.cc).
@@ -34,7 +34,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 import cuda.bindings.driver as cuda
 
-from .common import acc_mn_view, cp_async_16_zfill, quad_allreduce
+from .common import acc_mn_view, cp_async_16_zfill, quad_allreduce, sw128_offset
 
 
 from jax_dsa.cute.constants import INDEXER_DIM as D, INDEXER_MAX_HEADS as NP  # Hi <= NP
@@ -43,13 +43,6 @@ MT = 2  # m-tiles per consumer warpgroup
 ROWS = 2 * MT * BM  # rows of k per CTA (256)
 NSTAGE = 4  # Q ring stages
 TILE_BYTES = BM * D * 2  # one m-tile of k, or one Q stage (16 KB)
-
-
-def _sw128(rows: int, row, chunk):
-    """Byte offset of 16-byte chunk `chunk` of row `row` in a K-major 128 B-swizzled tile of
-    `rows` rows based at a 1024-byte-aligned address (tile_to_shape(K_SW128 atom, (rows, cols),
-    (0, 1)) with its swizzle applied)."""
-    return ((chunk // 8) * rows + row) * 128 + (((chunk % 8) ^ (row % 8)) * 16)
 
 
 class IndexerScoresSm90:
@@ -140,7 +133,7 @@ class IndexerScoresSm90:
             src = k_addr + ((cutlass.Int64(b) * cutlass.Int64(S) + cutlass.Int64(s))
                             * cutlass.Int64(D) + cutlass.Int64(8 * ch)) * 2
             ok = s < S
-            dst = k_smem + (row // BM) * TILE_BYTES + _sw128(BM, row % BM, ch)
+            dst = k_smem + (row // BM) * TILE_BYTES + sw128_offset(BM, row % BM, ch)
             cp_async_16_zfill(dst, src if ok else k_addr,
                               cutlass.Int32(16) if ok else cutlass.Int32(0))
         cute.arch.cp_async_mbarrier_arrive_noinc(mbar)
@@ -157,7 +150,7 @@ class IndexerScoresSm90:
                 ok = h < Hi
                 src = q_addr + ((q_tok + cutlass.Int64(h)) * cutlass.Int64(D)
                                 + cutlass.Int64(8 * ch)) * 2
-                cp_async_16_zfill(dst + _sw128(NP, h, ch), src if ok else q_addr,
+                cp_async_16_zfill(dst + sw128_offset(NP, h, ch), src if ok else q_addr,
                                   cutlass.Int32(16) if ok else cutlass.Int32(0))
             cute.arch.cp_async_mbarrier_arrive_noinc(mbar + 1 + st)
         cute.arch.cp_async_commit_group()
