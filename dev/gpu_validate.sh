@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU validation from the source tree with jax_dsa/_lib built (carry it to the GPU machine):
 #
-#   bash dev/gpu_validate.sh [tests-fwd] [tests-bwd] [tests-rest] [memcheck] [bench] [profile]
-#                            [hotlines]                                   (default: all tests)
+#   bash dev/gpu_validate.sh [tests-fwd] [tests-bwd] [tests-rest] [memcheck] [bench]
+#                            [bench-indexer] [bench-decode] [profile] [hotlines]
+#                                                                         (default: all tests)
 #
 # Each step has its own time limit (the backward tests take ~6 minutes: run them in their own
 # device call) and writes its full log to $OUT (or ./build/gpu); the summary lines are printed.
@@ -29,7 +30,7 @@ for step in "${steps[@]}"; do
     tests-fwd) pytest_step tests-fwd 200 tests/test_gpu_forward.py ;;
     tests-bwd) pytest_step tests-bwd 540 -s tests/test_gpu_backward.py ;;
     tests-rest) pytest_step tests-rest 300 tests/test_gpu_group_union.py \
-        tests/test_gpu_training.py tests/test_native_build.py ;;
+        tests/test_gpu_training.py tests/test_gpu_indexer.py tests/test_native_build.py ;;
     memcheck)
       timeout 240 compute-sanitizer --tool memcheck --leak-check no python3 \
         tests/gpu_memcheck_case.py > "$out/memcheck.log" 2>&1
@@ -40,6 +41,15 @@ for step in "${steps[@]}"; do
         --batches 3 --out "$out/bench" > "$out/bench.log" 2>&1
       rc=$?
       grep -v "^|" "$out/bench.log" | tail -32 ;;
+    bench-indexer)
+      timeout 300 python3 examples/benchmark_indexer.py --impls cute --out "$out/bench" \
+        > "$out/bench_indexer.log" 2>&1
+      rc=$?
+      grep -v "^|" "$out/bench_indexer.log" | tail -8 ;;
+    bench-decode)
+      timeout 200 python3 dev/bench_decode.py > "$out/bench_decode.log" 2>&1
+      rc=$?
+      grep "B=" "$out/bench_decode.log" ;;
     profile)  # ncu, one launch per kernel and shape (dev/profile_case.py), headline metrics
       rc=0
       for c in "fwd 64 sparse_mla_fwd" "fwd 16 sparse_mla_fwd" "bwd 64 sparse_mla_bwd" "bwd 16 sparse_mla_bwd"; do
