@@ -13,9 +13,7 @@ calls back to back, the device synchronised once per batch, median over batches 
 """
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -23,25 +21,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import jax_dsa  # noqa: E402
+from benchmark import time_call  # noqa: E402  (examples/benchmark.py, beside this)
 
 T, HI, DI = 4096, 64, 128
 # (label, context, ratio, topk)
 SHAPES = [("S8K k2048", 8192, 1, 2048), ("S32K k2048", 32768, 1, 2048),
           ("S128K k512", 131072, 1, 512), ("S128K k1024", 131072, 1, 1024),
           ("S128K k2048", 131072, 1, 2048), ("V4 ratio4 128K k512", 131072, 4, 512)]
-
-
-def time_call(fn, args, calls=3, batches=5):
-    jax.block_until_ready(fn(*args))
-    per = []
-    for _ in range(batches):
-        start = time.perf_counter()
-        out = None
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        per.append((time.perf_counter() - start) / calls)
-    return statistics.median(per)
 
 
 def extra_bytes(fn, args):

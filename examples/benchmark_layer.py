@@ -18,9 +18,7 @@ function timed on its own (wall clock of back-to-back calls, median of batches):
 """
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -28,23 +26,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import jax_dsa  # noqa: E402
+from benchmark import time_call  # noqa: E402  (examples/benchmark.py, beside this)
 
 WINDOW, RATIO, HI, DI = 128, 4, 64, 128
 # (label, H, Dqk, compressed top-k)
 SHAPES = [("V4-Flash", 64, 512, 512), ("V4-Pro", 128, 512, 1024)]
-
-
-def time_call(fn, args, calls=3, batches=5):
-    jax.block_until_ready(fn(*args))
-    per = []
-    for _ in range(batches):
-        start = time.perf_counter()
-        out = None
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        per.append((time.perf_counter() - start) / calls)
-    return statistics.median(per)
 
 
 def inputs(rng, t, s, h, d):
@@ -121,14 +107,14 @@ def main(argv=None):
                                   a["q"], a["kv"], a["kv_c"], a["sink"])
             tgt = jax.jit(target)(a, idx, lse)
             times = {
-                "indexer": time_call(jax.jit(select), (a,), batches=args.batches),
-                "attn fwd": time_call(fwd, fargs, batches=args.batches),
+                "indexer": time_call(jax.jit(select), (a,), 3, args.batches),
+                "attn fwd": time_call(fwd, fargs, 3, args.batches),
                 "attn bwd": time_call(jax.jit(lambda f, do: f(do)), (vjp_fn, o),
-                                      batches=args.batches),
-                "target": time_call(jax.jit(target), (a, idx, lse), batches=args.batches),
+                                      3, args.batches),
+                "target": time_call(jax.jit(target), (a, idx, lse), 3, args.batches),
                 "index bwd": time_call(jax.jit(index_grad), (a["q_i"], a["k_i"], a["w_i"], idx,
-                                                             tgt), batches=args.batches),
-                "step": time_call(jax.jit(step), (a,), batches=args.batches),
+                                                             tgt), 3, args.batches),
+                "step": time_call(jax.jit(step), (a,), 3, args.batches),
             }
             results.append((label, impl, times))
             print(f"{label:9s} {impl:5s} " + "  ".join(f"{k} {v * 1e3:8.2f} ms"

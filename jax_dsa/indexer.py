@@ -80,16 +80,22 @@ def indexer_scores(q, k, weights, *, scale=1.0, ratio=1, start=0, implementation
     `implementation` as for indexer_topk."""
     call = _prepare(q, k, weights, scale, ratio, start)
     impl = _resolve(implementation, call["q"], call["k"])
-    static = (call["scale"], call["ratio"], call["start"])
-
-    def ref(q, k, weights):
-        return _scores_jit(q, k, weights, *static)
-
-    def kernel(q, k, weights):
-        return _kernel_scores_jit(q, k, weights, *static)
-
-    out = _run(impl, ref, kernel, call["q"], call["k"], call["weights"])
+    op = _scores_op(call["scale"], call["ratio"], call["start"], impl)
+    out = op(call["q"], call["k"], call["weights"])
     return out[0] if call["unbatched"] else out
+
+
+@functools.lru_cache(maxsize=None)
+def _scores_op(scale, ratio, start, impl):
+    """The dense scores of (q, k, weights), jitted once per static arguments."""
+    def ref(q, k, w):
+        return _scores_jit(q, k, w, scale, ratio, start)
+
+    def kernel(q, k, w):
+        from jax_dsa.cute import indexer as cute_indexer
+        return cute_indexer.scores(q, k, w, scale=scale, ratio=ratio, start=start)
+
+    return jax.jit(lambda q, k, w: _run(impl, ref, kernel, q, k, w))
 
 
 @functools.lru_cache(maxsize=None)
@@ -113,22 +119,13 @@ def _topk_op(topk, scale, ratio, impl):
 
 
 def _run(impl, ref, kernel, *args):
+    """impl's function of args; "auto": the kernel when lowered for CUDA, the reference
+    elsewhere (as sparse_mla's). Called while tracing a jitted op."""
     if impl == "xla":
         return ref(*args)
     if impl == "cute":
         return kernel(*args)
-    return _platform_dependent(ref, kernel, *args)
-
-
-def _platform_dependent(ref, kernel, *args):
-    """The kernel when lowered for CUDA, the reference elsewhere (as sparse_mla's "auto")."""
-    return jax.jit(lambda *a: lax.platform_dependent(*a, cuda=kernel, default=ref))(*args)
-
-
-@functools.partial(jax.jit, static_argnums=(3, 4, 5))
-def _kernel_scores_jit(q, k, w, scale, ratio, start):
-    from jax_dsa.cute import indexer as cute_indexer
-    return cute_indexer.scores(q, k, w, scale=scale, ratio=ratio, start=start)
+    return lax.platform_dependent(*args, cuda=kernel, default=ref)
 
 
 # ------------------------------------------------------------------------------ checks

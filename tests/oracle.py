@@ -108,3 +108,16 @@ def indexer_topk(scores, topk):
             idx[bi, ti, :len(order)] = order
             val[bi, ti, :len(order)] = row[order]
     return idx, val
+
+
+def one_pool(kv1, idx1, lengths1, kv2, idx2, lengths2):
+    """A two-pool problem as one pool: kv2 after kv1, the second list's valid entries shifted by
+    S1 (invalid entries and those past either topk_length set to -1, the lists concatenated;
+    every slot is then within the lengths)."""
+    s1, s2 = kv1.shape[1], kv2.shape[1]
+    v1 = valid_entries(np.asarray(idx1), np.asarray(lengths1), s1)
+    v2 = valid_entries(np.asarray(idx2), np.asarray(lengths2), s2)
+    idx = np.concatenate([np.where(v1, idx1, -1), np.where(v2, np.asarray(idx2) + s1, -1)], axis=2)
+    return np.concatenate([np.asarray(kv1, np.float32), np.asarray(kv2, np.float32)], axis=1), \
+        idx.astype(np.int32)
+

@@ -268,10 +268,7 @@ def test_two_pools_on_the_kernels_match_the_oracle(h, d):
     q = jnp.asarray(p1.q, jnp.bfloat16)
     kv1, kv2 = jnp.asarray(p1.kv, jnp.bfloat16), jnp.asarray(p2.kv, jnp.bfloat16)
     s1 = p1.kv.shape[1]
-    v1 = oracle.valid_entries(p1.idx, p1.lengths, s1)
-    v2 = oracle.valid_entries(p2.idx, p2.lengths, p2.kv.shape[1])
-    idx_cat = np.concatenate([np.where(v1, p1.idx, -1), np.where(v2, p2.idx + s1, -1)], axis=2)
-    kv_cat = np.concatenate([np.asarray(kv1, np.float32), np.asarray(kv2, np.float32)], axis=1)
+    kv_cat, idx_cat = oracle.one_pool(kv1, p1.idx, p1.lengths, kv2, p2.idx, p2.lengths)
     full = np.full((1, 8), idx_cat.shape[2], np.int32)
     w_o = rng.standard_normal((1, 8, h, 512)).astype(np.float32)
     w_lse = rng.standard_normal((1, 8, h)).astype(np.float32)

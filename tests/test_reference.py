@@ -261,16 +261,6 @@ def test_combine_partials_sink_only_dead_and_nan():
     np.testing.assert_allclose(np.asarray(lse)[:, :3], 0.0, atol=1e-7)
 
 
-def _concatenated(p1, p2):
-    """The two-pool problem as one pool: kv2 after kv1, the second list's valid entries shifted
-    by S1 (invalid ones and those past either topk_length set to -1)."""
-    s1, s2 = p1.kv.shape[1], p2.kv.shape[1]
-    v1 = oracle.valid_entries(p1.idx, p1.lengths, s1)
-    v2 = oracle.valid_entries(p2.idx, p2.lengths, s2)
-    idx = np.concatenate([np.where(v1, p1.idx, -1), np.where(v2, p2.idx + s1, -1)], axis=2)
-    return np.concatenate([p1.kv, p2.kv], axis=1), idx.astype(np.int32)
-
-
 @pytest.mark.parametrize("sink,topk", [(True, "partial"), (False, "none"), (True, "full")])
 def test_two_pools_equal_one_pool_over_both(sink, topk):
     """extra_kv / extra_idx / extra_topk_length: o, lse and every gradient (q, both pools,
@@ -280,7 +270,7 @@ def test_two_pools_equal_one_pool_over_both(sink, topk):
     p1 = make_problem(rng, 2, 3, 4, 576, 50, 20, sink=sink, topk=topk)
     p2 = make_problem(rng, 2, 3, 4, 576, 30, 9, topk="partial")
     p2.q = p1.q
-    kv_cat, idx_cat = _concatenated(p1, p2)
+    kv_cat, idx_cat = oracle.one_pool(p1.kv, p1.idx, p1.lengths, p2.kv, p2.idx, p2.lengths)
     full = np.full(idx_cat.shape[:2], idx_cat.shape[2], np.int32)
     o_ref, lse_ref = oracle.numpy_forward(p1.q, kv_cat, idx_cat, full, p1.sink, p1.scale, 512)
 

@@ -19,13 +19,11 @@ def forward(q, kv, idx, topk_length, sink, *, scale, config: Config, poison_outp
     """(o [B, T, H, 512] q.dtype, lse [B, T, H] float32); config.fwd.splits > 1 splits each
     token's list into parts combined by lse (reference.split_forward). poison_outputs (tests):
     the kernel's outputs start as NaN."""
-    fwd = config.fwd
-    if fwd.splits == 1:
-        return ffi.sparse_mla_fwd(q, kv, idx, topk_length, sink, scale=scale, kernel=fwd.kernel,
-                                  poison_outputs=poison_outputs)
-    part = functools.partial(ffi.sparse_mla_fwd, scale=scale, kernel=fwd.kernel,
-                             poison_outputs=poison_outputs)
-    return reference.split_forward(part, q, kv, idx, topk_length, sink, splits=fwd.splits)
+    run = functools.partial(ffi.sparse_mla_fwd, scale=scale, kernel=config.fwd.kernel,
+                            poison_outputs=poison_outputs)
+    if config.fwd.splits == 1:
+        return run(q, kv, idx, topk_length, sink)
+    return reference.split_forward(run, q, kv, idx, topk_length, sink, splits=config.fwd.splits)
 
 
 def backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale, config: Config,
