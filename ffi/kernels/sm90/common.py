@@ -107,6 +107,16 @@ def cp_async_16_zfill(dst_smem, src_gmem, src_bytes, dst_off: int = 0, src_off: 
           cutlass.Int32(src_bytes).ir_value(loc=loc, ip=ip)], loc, ip)
 
 
+@dsl_user_op
+def cp_async_4_zfill(dst_smem, src_gmem, src_bytes, *, loc=None, ip=None):
+    """cp.async.ca of 4 bytes from global src_gmem to shared dst_smem; src_bytes = 0 writes
+    4 zero bytes and reads nothing."""
+    _asm("cp.async.ca.shared.global [$0], [$1], 4, $2;", "r,l,r,~{memory}",
+         [cutlass.Int32(dst_smem).ir_value(loc=loc, ip=ip),
+          cutlass.Int64(src_gmem).ir_value(loc=loc, ip=ip),
+          cutlass.Int32(src_bytes).ir_value(loc=loc, ip=ip)], loc, ip)
+
+
 @cute.jit
 def gather_source(kv_addr: cutlass.Int64, kv_batch: cutlass.Int64, row: cutlass.Int32,
                   ok, row_bytes: cutlass.Constexpr, sub_bytes: cutlass.Int64):

@@ -9,19 +9,23 @@ w [B, T, Hi] float32, out [B, T, S] float32; `start` is read from a 1-element in
 that a caller can walk chunks of tokens inside one XLA loop.
 
 Grid (ceil(S / 256), ceil(T / tpc), B), 384 threads = 3 warpgroups, one CTA per SM:
-  * warpgroup 0, the producer: the CTA's 256 rows of k once (16-byte cp.async, rows >= S zero),
-    then Q of each of its tokens that sees any of those rows into a ring of NSTAGE stages
-    (NP x 128, heads >= Hi zero-filled), a full and an empty mbarrier per stage.
-  * warpgroups 1 and 2, the consumers: each owns 128 of the rows (two 64-row m-tiles, its A
-    operands, fixed in shared memory). Per token: S = K Q^T (wgmma 64 x NP x 16, both operands
-    in shared memory, 8 k-steps per m-tile), the stage released, then for each of its two rows
-    per m-tile a thread sums ReLU(scale * S) * w over its NP / 4 head columns, the quad adds
-    the four partial sums, and one thread of the quad stores the row's score (-inf past the
-    causal edge).
+  * warpgroup 0, the producer (40 registers): the CTA's 256 rows of k once (16-byte cp.async,
+    rows >= S zero), then Q and w of each of its tokens that sees any of those rows into a
+    ring of NSTAGE stages (NP x 128 of Q and NP floats of w, heads >= Hi zero-filled), a full
+    and an empty mbarrier per stage.
+  * warpgroups 1 and 2, the consumers (232 registers): each owns 128 of the rows, two 64-row
+    m-tiles held in registers for the whole CTA as the A operands of the score GEMM (wgmma
+    64 x NP x 16 with A from registers, 8 k-steps per m-tile; the rows negated once when
+    scale < 0, since ReLU(scale x) = |scale| ReLU(-x)). The two m-tiles are pipelined: while
+    the GEMM of one m-tile runs, the other's epilogue does, for each of its two rows, the sum
+    of ReLU(S) * |scale| w over the thread's NP / 4 head columns, the quad's all-reduce and one
+    store per row (-inf past the causal edge). A token's stage is released once both of its
+    GEMMs are done.
   Tokens before the first that sees row p0 (causal: the tile is entirely in their future) run
   no GEMM: the consumers store -inf for them.
-Shared memory: k 64 KB + NSTAGE x 16 KB Q = 128 KB. The wgmma operands are K-major with the
-128-byte swizzle; the producer writes them at the swizzled byte offsets (sw128_offset).
+Shared memory: k 64 KB + NSTAGE x (16 KB Q + 256 B w) = 129 KB. The wgmma operands are K-major
+with the 128-byte swizzle; the producer writes them at the swizzled byte offsets
+(sw128_offset).
 
 Entry point: compile_indexer_scores(dtype); ffi/build.py exports it as
 jax_dsa_indexer_scores_<dtype> (ffi/indexer.cc).
@@ -34,7 +38,8 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 import cuda.bindings.driver as cuda
 
-from .common import acc_mn_view, cp_async_16_zfill, quad_allreduce, sw128_offset
+from .common import (acc_mn_view, cp_async_4_zfill, cp_async_16_zfill, quad_allreduce,
+                     sw128_offset)
 
 
 from jax_dsa.cute.constants import INDEXER_DIM as D, INDEXER_MAX_HEADS as NP  # Hi <= NP
@@ -43,6 +48,7 @@ MT = 2  # m-tiles per consumer warpgroup
 ROWS = 2 * MT * BM  # rows of k per CTA (256)
 NSTAGE = 4  # Q ring stages
 TILE_BYTES = BM * D * 2  # one m-tile of k, or one Q stage (16 KB)
+PRODUCER_REGS, CONSUMER_REGS = 40, 232
 
 
 class IndexerScoresSm90:
@@ -57,6 +63,13 @@ class IndexerScoresSm90:
         sQ_layout = cute.tile_to_shape(k_atom, (NP, D), (0, 1))
         return k_atom, sK_layout, sQ_layout
 
+    def _mma(self):
+        """The score GEMM: rows of k (A, from registers) x heads of Q (B, shared memory)."""
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            cutlass.Float32, (1, 1, 1), (BM, NP), warpgroup.OperandSource.RMEM,
+        )
+
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mOut: cute.Tensor,
                  mStart: cute.Tensor, B: cutlass.Int32, T: cutlass.Int32, Hi: cutlass.Int32,
@@ -68,13 +81,11 @@ class IndexerScoresSm90:
         class SharedStorage:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, 2 * MT * BM * D], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, NSTAGE * NP * D], 1024]
+            sW: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, NSTAGE * NP], 16]
             # k full, full[NSTAGE], empty[NSTAGE]
             mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 1 + 2 * NSTAGE], 8]
 
-        qk_mma = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            cutlass.Float32, (1, 1, 1), (BM, NP),
-        )
+        qk_mma = self._mma()
         grid = [(S + ROWS - 1) // ROWS, (T + tpc - 1) // tpc, B]
         self.kernel(mQ, mK, mW, mOut, mStart, T, Hi, S, ratio, tpc, scale, k_atom.inner,
                     sK_layout.outer, sQ_layout.outer, qk_mma, SharedStorage).launch(
@@ -109,21 +120,26 @@ class IndexerScoresSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
+        sW = storage.sW.get_tensor(cute.make_layout(NSTAGE * NP))
         if wg == 0:
-            self._produce(mQ, mK, storage.sK.data_ptr().toint(), storage.sQ.data_ptr().toint(),
-                          mbar, b, T, Hi, S, p0, t_first, t_end, gtid)
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            self._produce(mQ, mK, mW, storage.sK.data_ptr().toint(),
+                          storage.sQ.data_ptr().toint(), storage.sW.data_ptr().toint(), mbar, b,
+                          T, Hi, S, p0, t_first, t_end, gtid)
         else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
             k_sw = cute.recast_ptr(storage.sK.data_ptr(), swizzle_=swz)
             q_sw = cute.recast_ptr(storage.sQ.data_ptr(), swizzle_=swz)
-            self._consume(mW, mOut, k_sw, q_sw, mbar, sK_layout, sQ_layout, qk_mma, b, T, Hi,
+            self._consume(mOut, sW, k_sw, q_sw, mbar, sK_layout, sQ_layout, qk_mma, b, T, Hi,
                           S, start, ratio, scale, p0, t_begin, t_first, t_end, wg - 1, gtid)
 
     @cute.jit
-    def _produce(self, mQ: cute.Tensor, mK: cute.Tensor, k_smem: cutlass.Int32,
-                 q_smem: cutlass.Int32, mbar, b, T: cutlass.Int32, Hi: cutlass.Int32,
-                 S: cutlass.Int32, p0, t_first, t_end, p):
+    def _produce(self, mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, k_smem: cutlass.Int32,
+                 q_smem: cutlass.Int32, w_smem: cutlass.Int32, mbar, b, T: cutlass.Int32,
+                 Hi: cutlass.Int32, S: cutlass.Int32, p0, t_first, t_end, p):
         k_addr = mK.iterator.toint()
         q_addr = mQ.iterator.toint()
+        w_addr = mW.iterator.toint()
         ch = p % 16  # this thread's 16-byte chunk of every row it copies
         r0 = p // 16  # and its first row (then every 8th)
         # ---- the CTA's rows of k (zero past S) ----
@@ -152,12 +168,17 @@ class IndexerScoresSm90:
                                 + cutlass.Int64(8 * ch)) * 2
                 cp_async_16_zfill(dst + sw128_offset(NP, h, ch), src if ok else q_addr,
                                   cutlass.Int32(16) if ok else cutlass.Int32(0))
+            if p < NP:  # w[b, t, p] (0 for heads >= Hi)
+                ok = p < Hi
+                src = w_addr + (q_tok + cutlass.Int64(p)) * 4
+                cp_async_4_zfill(w_smem + (st * NP + p) * 4, src if ok else w_addr,
+                                 cutlass.Int32(4) if ok else cutlass.Int32(0))
             cute.arch.cp_async_mbarrier_arrive_noinc(mbar + 1 + st)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
 
     @cute.jit
-    def _consume(self, mW: cute.Tensor, mOut: cute.Tensor, k_sw, q_sw, mbar,
+    def _consume(self, mOut: cute.Tensor, sW: cute.Tensor, k_sw, q_sw, mbar,
                  sK_layout: cute.Layout, sQ_layout: cute.Layout, qk_mma: cute.TiledMma, b,
                  T: cutlass.Int32, Hi: cutlass.Int32, S: cutlass.Int32, start,
                  ratio: cutlass.Int32, scale: cutlass.Float32, p0, t_begin, t_first, t_end, g,
@@ -177,57 +198,88 @@ class IndexerScoresSm90:
         acc_shape = thr.partition_shape_C((BM, NP))
         tScS = acc_mn_view(thr.partition_C(cute.make_identity_tensor((BM, NP))))
         k_elems = cute.cosize(sK_layout)
-        q_elems = cute.cosize(sQ_layout)
+        abs_scale = cute.arch.fmax(scale, -scale)
+        # ---- this warpgroup's rows of k into registers, once (negated when scale < 0) ----
+        cute.arch.mbarrier_wait(mbar, 0)
         tSrK = []
         for m in cutlass.range_constexpr(MT):
             sKm = cute.make_tensor(k_sw + cute.assume((g * MT + m) * k_elems, divby=4096),
                                    sK_layout)
-            tSrK.append(thr.make_fragment_A(thr.partition_A(sKm)))
+            rK = cute.make_rmem_tensor(thr.partition_shape_A((BM, D)), self.dtype)
+            cute.autovec_copy(thr.partition_A(sKm), rK)
+            if scale < 0.0:
+                rK.store(-rK.load())
+            tSrK.append(rK)
+        accs = [thr.make_fragment_C(acc_shape) for _ in range(MT)]
         wv = cute.make_rmem_tensor(nc, cutlass.Float32)
-        cute.arch.mbarrier_wait(mbar, 0)
 
-        for i in cutlass.range(t_end - t_first, unroll=1):
+        # Every wgmma is waited for within the iteration that issues it (a wgmma in flight
+        # across the loop's back edge makes ptxas serialize them all): the GEMM of m-tile 0
+        # runs under the previous token's m-tile-1 epilogue, that of m-tile 1 under this
+        # token's m-tile-0 epilogue.
+        wv_prev = cute.make_rmem_tensor(nc, cutlass.Float32)
+        n = t_end - t_first
+        for i in cutlass.range(n, unroll=1):
             t = t_first + i
             st = i % NSTAGE
-            bt = cutlass.Int64(b) * cutlass.Int64(T) + cutlass.Int64(t)
-            for c in cutlass.range_constexpr(nc):
-                h = tScS[0, c][1]
-                v = cutlass.Float32(0.0)
-                if h < Hi:
-                    v = mW[bt * cutlass.Int64(Hi) + cutlass.Int64(h)]
-                wv[c] = v
             cute.arch.mbarrier_wait(mbar + 1 + st, (i // NSTAGE) % 2)
             # cp.async data (generic proxy) -> wgmma (async proxy).
             cute.arch.fence_proxy("async.shared", space="cta")
-            sQs = cute.make_tensor(q_sw + cute.assume(st * q_elems, divby=4096), sQ_layout)
-            tSrQ = thr.make_fragment_B(thr.partition_B(sQs))
-            accs = [thr.make_fragment_C(acc_shape) for _ in range(MT)]
-            warpgroup.fence()
-            for m in cutlass.range_constexpr(MT):
-                for kk in cutlass.range_constexpr(D // 16):
-                    qk_mma.set(warpgroup.Field.ACCUMULATE, kk != 0)
-                    cute.gemm(qk_mma, accs[m], tSrK[m][None, None, kk], tSrQ[None, None, kk],
-                              accs[m])
-            warpgroup.commit_group()
+            self._issue(qk_mma, accs[0], tSrK[0], q_sw, sQ_layout, st, gtid)
+            if i > 0:
+                self._store_rows(accs[1], wv_prev, tScS, mOut, b, T, t - 1, row_base + BM, S,
+                                 start, ratio, gtid)
+            for c in cutlass.range_constexpr(nc):
+                wv[c] = sW[st * NP + tScS[0, c][1]] * abs_scale
             warpgroup.wait_group(0)
-            if lane == 0:
+            self._issue(qk_mma, accs[1], tSrK[1], q_sw, sQ_layout, st, gtid)
+            self._store_rows(accs[0], wv, tScS, mOut, b, T, t, row_base, S, start, ratio, gtid)
+            warpgroup.wait_group(0)
+            if lane == 0:  # both GEMMs of token t are done with its stage
                 cute.arch.mbarrier_arrive(mbar + 1 + NSTAGE + st)
+            for c in cutlass.range_constexpr(nc):
+                wv_prev[c] = wv[c]
+        if n > 0:
+            self._store_rows(accs[1], wv_prev, tScS, mOut, b, T, t_end - 1, row_base + BM, S,
+                             start, ratio, gtid)
 
-            limit = start + t + 1  # row s is visible iff (s + 1) * ratio <= limit
-            out_tok = bt * cutlass.Int64(S)
-            for m in cutlass.range_constexpr(MT):
-                S_mn = acc_mn_view(accs[m])
-                for r in cutlass.range_constexpr(2):
-                    acc = cutlass.Float32(0.0)
-                    for c in cutlass.range_constexpr(nc):
-                        acc = acc + cute.arch.fmax(S_mn[r, c] * scale, 0.0) * wv[c]
-                    acc = quad_allreduce(acc, lambda x, y: x + y)
-                    row = row_base + m * BM + tScS[r, 0][0]
-                    if gtid % 4 == r and row < S:
-                        v = acc
-                        if (row + 1) * ratio > limit:
-                            v = neg_inf
-                        mOut[out_tok + cutlass.Int64(row)] = v
+    @cute.jit
+    def _issue(self, qk_mma: cute.TiledMma, acc: cute.Tensor, rK: cute.Tensor, q_sw,
+               sQ_layout: cute.Layout, st, gtid):
+        """The GEMM of one m-tile (rK, in registers) against the Q of ring stage st into acc,
+        committed as one wgmma group. (A tiled MMA of its own: its accumulate flag is set
+        inside the staged branches that call this.)"""
+        mma = self._mma()
+        thr = mma.get_slice(gtid)
+        sQs = cute.make_tensor(q_sw + cute.assume(st * cute.cosize(sQ_layout), divby=4096),
+                               sQ_layout)
+        tSrQ = thr.make_fragment_B(thr.partition_B(sQs))
+        warpgroup.fence()
+        for kk in cutlass.range_constexpr(D // 16):
+            mma.set(warpgroup.Field.ACCUMULATE, kk != 0)
+            cute.gemm(mma, acc, rK[None, None, kk], tSrQ[None, None, kk], acc)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _store_rows(self, acc: cute.Tensor, wv: cute.Tensor, tScS: cute.Tensor,
+                    mOut: cute.Tensor, b, T: cutlass.Int32, t, row0, S: cutlass.Int32, start,
+                    ratio: cutlass.Int32, gtid):
+        """The scores of an m-tile's rows for token t: each thread's two rows, summed over
+        its head columns and across the quad; one thread of the quad stores each row."""
+        limit = start + t + 1  # row s is visible iff (s + 1) * ratio <= limit
+        out_tok = (cutlass.Int64(b) * cutlass.Int64(T) + cutlass.Int64(t)) * cutlass.Int64(S)
+        S_mn = acc_mn_view(acc)
+        for r in cutlass.range_constexpr(2):
+            a = cutlass.Float32(0.0)
+            for c in cutlass.range_constexpr(self.nc):
+                a = a + cute.arch.fmax(S_mn[r, c], 0.0) * wv[c]
+            a = quad_allreduce(a, lambda x, y: x + y)
+            row = row0 + tScS[r, 0][0]
+            if gtid % 4 == r and row < S:
+                v = a
+                if (row + 1) * ratio > limit:
+                    v = -cutlass.Float32.inf
+                mOut[out_tok + cutlass.Int64(row)] = v
 
 
 def fake_args(dtype):
