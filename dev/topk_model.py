@@ -3,10 +3,10 @@
     python dev/topk_model.py        (checks the model against a lexsort oracle on random rows)
 
 ffi/kernels/sm90/indexer_topk.py reads each row five times (four 8-bit histogram passes and the
-collection). The plan reads it twice: pass A counts the top 11 bits of the order-preserving key
-(2048 bins) and picks the bin b0 holding the k-th largest; pass B sends keys above b0 straight
+collection). The plan reads it twice: pass A counts the top 13 bits of the order-preserving key
+(8192 bins) and picks the bin b0 holding the k-th largest; pass B sends keys above b0 straight
 to the candidates and copies the keys of bin b0 (at most BUF of them, usually a few thousand)
-into shared memory, where the remaining 21 bits are resolved (11 + 10) without touching global
+into shared memory, where the remaining 19 bits are resolved (10 + 9) without touching global
 memory again. Ties at the threshold are resolved by putting every tied key into the final
 bitonic sort (key descending, column ascending) when they fit in CAP, and by nothing at all
 when the threshold is -inf (those slots are (-inf, -1) anyway); a bin larger than BUF or more
@@ -15,7 +15,7 @@ ties than CAP fall back to the present five-pass path (`None` here).
 import numpy as np
 
 INT32_MIN = -2**31
-BUF = 8192
+BUF = 4096
 CAP = 8192
 
 def key(bits):
@@ -46,19 +46,19 @@ def topk_row(scores, K):
     k_eff = min(K, S)
     keys = key(scores.astype(np.float32).view(np.int32))
     u = ukey(keys)
-    # pass A: top 11 bits
-    hist = np.bincount(u >> 21, minlength=2048)
+    # pass A: top 13 bits
+    hist = np.bincount(u >> 19, minlength=8192)
     b0, need = select_digit(hist, k_eff)
     n_bin = hist[b0]
-    above = (u >> 21) > b0
+    above = (u >> 19) > b0
     cand = list(zip(keys[above], np.nonzero(above)[0]))
     n_above = len(cand)
     assert n_above == k_eff - need
     if n_bin <= BUF:
-        inbin = np.nonzero((u >> 21) == b0)[0]
+        inbin = np.nonzero((u >> 19) == b0)[0]
         buf_u = u[inbin]
-        prefix, mask = b0 << 21, 0xFFE00000
-        for shift, bits in ((10, 11), (0, 10)):
+        prefix, mask = b0 << 19, 0xFFF80000
+        for shift, bits in ((9, 10), (0, 9)):
             m = (buf_u & mask) == prefix
             h = np.bincount((buf_u[m] >> shift) & ((1 << bits) - 1), minlength=1 << bits)
             d, need = select_digit(h, need)

@@ -126,7 +126,7 @@ ffi::Error IndexerScores(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, 
 struct TopkArgs {
   void *scores, *idx, *val;
   int64_t n_in, n_out;
-  int32_t R, S, K, n_sort;
+  int32_t R, S, K;
 };
 
 #define JAX_DSA_SELECT_SPEC(PREFIX)                                                        \
@@ -135,8 +135,7 @@ struct TopkArgs {
       PREFIX##_Tensor_mScores_t scores{a.scores, {a.n_in}};                                \
       PREFIX##_Tensor_mIdx_t idx{a.idx, {a.n_out}};                                        \
       PREFIX##_Tensor_mVal_t val{a.val, {a.n_out}};                                        \
-      return cute_dsl_##PREFIX##_wrapper(&module(), &scores, &idx, &val, a.R, a.S, a.K,    \
-                                         a.n_sort, s);                                     \
+      return cute_dsl_##PREFIX##_wrapper(&module(), &scores, &idx, &val, a.R, a.S, a.K, s); \
     }                                                                                      \
   };
 JAX_DSA_SELECT_SPECS(JAX_DSA_SELECT_SPEC)
@@ -175,11 +174,8 @@ ffi::Error IndexerTopk(cudaStream_t stream, int32_t device, ffi::AnyBuffer score
   if (le != cudaSuccess)
     return ffi::Error::Internal(std::string("jax_dsa: loading the kernels failed: ") +
                                 cudaGetErrorString(le));
-  const int64_t k_eff = topk < S ? topk : S;
-  int32_t n_sort = 1;
-  while (n_sort < k_eff) n_sort *= 2;
   TopkArgs a{scores.untyped_data(), idx->untyped_data(), values->untyped_data(), B * T * S,
-             B * T * topk, static_cast<int32_t>(B * T), static_cast<int32_t>(S), topk, n_sort};
+             B * T * topk, static_cast<int32_t>(B * T), static_cast<int32_t>(S), topk};
   return LaunchStatus("indexer_topk", launch(a, stream));
 }
 

@@ -10,7 +10,7 @@ uses. `indexer_topk` keeps the `topk` highest-scoring visible rows per token, hi
 ties to the smaller row, -1 in the slots beyond the visible rows: ready for `sparse_mla`
 (with `jax_dsa.indices.concat_window_compressed` for V4's two pools in one buffer).
 
-Two implementations: the Hopper score kernel with XLA's top_k per chunk of tokens
+Two implementations: the Hopper score and top-k kernels per chunk of tokens
 (jax_dsa/cute/indexer.py; bf16/fp16, Di = 128, Hi <= 64), and the pure-JAX reference here (the
 CPU/TPU path and the oracle of the kernels), which walks tokens in chunks and, per token chunk,
 the visible rows of k in chunks, keeping a running top-k that it merges with each chunk's

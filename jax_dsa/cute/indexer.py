@@ -1,12 +1,11 @@
 """The lightning indexer on the Hopper score kernel (ffi/kernels/sm90/indexer_scores.py).
 
 Inputs are canonical (jax_dsa/indexer.py): q [B, T, Hi, 128] bf16/f16 with Hi <= 64, k [B, S,
-128], weights [B, T, Hi]. The kernel writes the scores of a chunk of tokens, [B, ct, S] float32
-(ct chosen so that a chunk stays within _CHUNK_BYTES), and XLA's top_k selects from each chunk
-inside one loop, and the radix-select kernel (ffi/kernels/sm90/indexer_topk.py; XLA's top_k
-above INDEXER_MAX_TOPK entries) selects from each chunk: peak memory is one chunk's scores,
-never [T, S]. (The selection without the score matrix in HBM is the next step:
-docs/kernel_log.md.)
+128], weights [B, T, Hi]. The score kernel writes the scores of a chunk of tokens, [B, ct, S]
+float32 (ct chosen so that a chunk stays within _CHUNK_BYTES), and the radix-select kernel
+(ffi/kernels/sm90/indexer_topk.py; XLA's top_k above INDEXER_MAX_TOPK entries) selects from it,
+one chunk after another inside one loop: peak memory is one chunk's scores, never [T, S].
+(The selection without the score matrix in HBM is a next step: docs/kernel_log.md.)
 """
 from __future__ import annotations
 
