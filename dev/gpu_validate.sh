@@ -2,7 +2,8 @@
 # GPU validation from the source tree with jax_dsa/_lib built (carry it to the GPU machine):
 #
 #   bash dev/gpu_validate.sh [tests-fwd] [tests-bwd] [tests-rest] [memcheck] [bench]
-#                            [bench-indexer] [bench-decode] [profile] [hotlines]
+#                            [bench-indexer] [bench-decode] [bench-layer] [train-compare]
+#                            [profile] [hotlines]
 #                                                                         (default: all tests)
 #
 # Each step has its own time limit (the backward tests take ~6 minutes: run them in their own
@@ -46,6 +47,17 @@ for step in "${steps[@]}"; do
         > "$out/bench_indexer.log" 2>&1
       rc=$?
       grep -v "^|" "$out/bench_indexer.log" | tail -8 ;;
+    bench-layer)  # one V4 layer's training step, piece by piece, kernels and reference
+      timeout 400 python3 examples/benchmark_layer.py --impls cute,xla > "$out/bench_layer.log" 2>&1
+      rc=$?
+      tail -16 "$out/bench_layer.log" ;;
+    train-compare)  # the DSA layer at the kernels' shapes, trained on the kernels and the reference
+      rc=0
+      for style in v3.2 v4; do
+        timeout 240 python3 examples/train_dsa.py --size kernel --style "$style" --compare \
+          --steps 200 --warmup 60 > "$out/train_compare_$style.log" 2>&1 || rc=$?
+        tail -3 "$out/train_compare_$style.log"
+      done ;;
     bench-decode)
       timeout 200 python3 dev/bench_decode.py > "$out/bench_decode.log" 2>&1
       rc=$?

@@ -17,6 +17,12 @@ indexer's top-k of the compressed rows (ratio 4) as a second KV pool.
 XLA_FLAGS=--xla_force_host_platform_device_count=4): the batch split over "data", the attention
 heads (q and output projections, the sink) over "heads", the indexer and the shared KV
 projection replicated; the same jitted step, partitioned by XLA and jax_dsa's sharding rules.
+
+--size kernel trains a layer of the kernels' shapes (bf16, latent dim 576 with d_v 512 for v3.2,
+512 / 512 for v4, 16 heads, an indexer of 16 heads of dim 128, T = 256) so that on a Hopper GPU
+the attention and the indexer's selection run on the kernels; --implementation picks them
+("cute") or the reference ("xla"), and --compare trains twice from the same initialisation, on
+the kernels and on the reference, and prints how far apart the two runs' losses are.
 """
 from __future__ import annotations
 
@@ -75,17 +81,35 @@ def make_mesh(spec: str):
     return Mesh(np.array(devices[:d * h]).reshape(d, h), ("data", "heads"))
 
 
-def train(*, steps=300, warmup=100, batch=8, tokens=32, d_model=32, num_heads=4, head_dim=16,
-          d_v=16, topk=None, lr=1e-2, seed=0, mesh=None, style="v3.2", verbose=True):
+# Layer shapes: "tiny" for CPU runs, "kernel" for the Hopper kernels (bf16; Dqk 576 / d_v 512 for
+# v3.2, 512 / 512 for v4; the indexer's Di = 128).
+SIZES = {
+    "tiny": dict(batch=8, tokens=32, d_model=32, num_heads=4, head_dim=16, d_v=16,
+                 index_heads=4, index_dim=16, dtype=None, lr=1e-2, window=4,
+                 topk={"v3.2": 8, "v4": 3}),
+    "kernel": dict(batch=2, tokens=256, d_model=64, num_heads=16, head_dim=576, d_v=512,
+                   index_heads=16, index_dim=128, dtype=jnp.bfloat16, lr=3e-3, window=32,
+                   topk={"v3.2": 32, "v4": 16}),
+}
+
+
+def train(*, steps=300, warmup=100, size="tiny", topk=None, seed=0, mesh=None, style="v3.2",
+          implementation=None, verbose=True):
     """Returns a list of per-step dicts (stage, loss, indexer_loss, recall every 10 steps).
-    mesh: None, or a (data, heads) jax.sharding.Mesh to train on (see make_mesh). style "v3.2"
-    selects topk (default 8) of the positions; "v4" a window of 4 positions plus topk (default
-    3) of the T / 4 compressed rows."""
+    size: a key of SIZES. mesh: None, or a (data, heads) jax.sharding.Mesh to train on (see
+    make_mesh). style "v3.2" selects topk of the positions; "v4" a sliding window plus topk of
+    the T / 4 compressed rows. implementation: as jax_dsa.sparse_mla's (the attention and the
+    indexer's selection)."""
+    cfg = dict(SIZES[size])
     if topk is None:
-        topk = 8 if style == "v3.2" else 3
-    extra = dict(style="v4", window=4, ratio=4) if style == "v4" else {}
-    model = DSAttention(d_model, num_heads, head_dim, d_v, topk=topk, rngs=nnx.Rngs(seed),
-                        **extra)
+        topk = cfg["topk"][style]
+    head_dim = cfg["head_dim"] if style == "v3.2" else min(cfg["head_dim"], 512)
+    extra = dict(style="v4", window=cfg["window"], ratio=4) if style == "v4" else {}
+    batch, tokens, d_model, lr = cfg["batch"], cfg["tokens"], cfg["d_model"], cfg["lr"]
+    model = DSAttention(d_model, cfg["num_heads"], head_dim, cfg["d_v"], topk=topk,
+                        index_heads=cfg["index_heads"], index_dim=cfg["index_dim"],
+                        dtype=cfg["dtype"], implementation=implementation,
+                        rngs=nnx.Rngs(seed), **extra)
     x, y = make_data(jax.random.key(seed + 1), batch, tokens, d_model)
     graphdef, state = nnx.split(model)
     if mesh is not None:
@@ -98,7 +122,7 @@ def train(*, steps=300, warmup=100, batch=8, tokens=32, d_model=32, num_heads=4,
 
     def loss_fn(state, stage):
         y_hat, aux = nnx.merge(graphdef, state)(x, stage=stage)
-        task = jnp.mean((y_hat - y) ** 2)
+        task = jnp.mean((y_hat.astype(jnp.float32) - y) ** 2)
         return task + aux["indexer_loss"], (task, aux["indexer_loss"])
 
     def make_step(stage):
@@ -124,16 +148,44 @@ def train(*, steps=300, warmup=100, batch=8, tokens=32, d_model=32, num_heads=4,
     return history
 
 
+def compare(run):
+    """Train on the kernels and on the reference from the same initialisation and data; print
+    both runs' task loss and indexer KL every 10 steps and the largest relative gap."""
+    print("== kernels (implementation='cute')", flush=True)
+    kern = train(**run, implementation="cute")
+    print("== reference (implementation='xla')", flush=True)
+    ref = train(**run, implementation="xla")
+    gap = {name: max(abs(a[name] - b[name]) / max(abs(b[name]), 1e-6) for a, b in zip(kern, ref))
+           for name in ("loss", "indexer_loss")}
+    print("step   loss: kernels / reference   indexer KL: kernels / reference")
+    for a, b in zip(kern, ref):
+        if a["step"] % 10 == 0 or a["step"] == len(ref) - 1:
+            print(f"{a['step']:4d}   {a['loss']:.5f} / {b['loss']:.5f}   "
+                  f"{a['indexer_loss']:.5f} / {b['indexer_loss']:.5f}")
+    print(f"largest relative gap: task loss {gap['loss']:.2%}, indexer KL "
+          f"{gap['indexer_loss']:.2%}; final recall {kern[-1]['recall']:.3f} / "
+          f"{ref[-1]['recall']:.3f}")
+    return kern, ref
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--mesh", help="train on a (data x heads) mesh, e.g. 2x2")
     parser.add_argument("--style", default="v3.2", choices=("v3.2", "v4"))
+    parser.add_argument("--size", default="tiny", choices=tuple(SIZES))
+    parser.add_argument("--implementation", choices=("cute", "xla"),
+                        help="the kernels or the reference (default: the kernels where they run)")
+    parser.add_argument("--compare", action="store_true",
+                        help="train on the kernels and on the reference; print the loss gap")
     parser.add_argument("--plot", help="write a PNG of the loss, the KL and the recall")
     args = parser.parse_args(argv)
     mesh = make_mesh(args.mesh) if args.mesh else None
-    history = train(steps=args.steps, warmup=args.warmup, mesh=mesh, style=args.style)
+    run = dict(steps=args.steps, warmup=args.warmup, mesh=mesh, style=args.style, size=args.size)
+    if args.compare:
+        return compare(run)
+    history = train(**run, implementation=args.implementation)
     if args.plot:
         try:
             import matplotlib

@@ -142,6 +142,10 @@ class DSAttention(nnx.Module):
     those. The indexer sees the hidden state detached from the attention's graph, and the target
     is a constant, so the indexer loss trains only the indexer and the task loss only the rest.
     The attention's per-head sink is learned (SparseMLA).
+
+    dtype and implementation are SparseMLA's and apply to the indexer's selection too: with a
+    dtype set (bf16 / fp16 for the Hopper kernels) the indexer's q and k are cast to it before
+    `indexer_topk`; the indexer loss computes in float32.
     """
 
     def __init__(self, d_model: int, num_heads: int, head_dim: int, d_v: int, *, topk,
@@ -161,6 +165,15 @@ class DSAttention(nnx.Module):
         self.wkv_c = (nnx.Param(init(rngs.params(), (d_model, head_dim))) if style == "v4"
                       else None)
         self.topk, self.style, self.window, self.ratio = topk, style, window, ratio
+        self.dtype, self.implementation = dtype, implementation
+
+    def _select(self, q_i, k_i, w_i, ratio=1):
+        """The indexer's top-k, its q and k in the layer's dtype when one is set (bf16 / fp16:
+        the Hopper indexer kernels)."""
+        if self.dtype is not None:
+            q_i, k_i = q_i.astype(self.dtype), k_i.astype(self.dtype)
+        return indexer_topk(q_i, k_i, w_i, self.topk, scale=self.indexer.scale, ratio=ratio,
+                            implementation=self.implementation)
 
     def __call__(self, x, *, stage: str = "sparse"):
         if stage not in ("dense", "sparse"):
@@ -191,7 +204,7 @@ class DSAttention(nnx.Module):
             idx = jnp.where(pos[None, :] <= pos[:, None], pos[None, :], -1)
             idx = jnp.broadcast_to(idx.astype(jnp.int32), (b, t, t))
         else:
-            idx = indexer_topk(q_i, k_i, w_i, self.topk, scale=self.indexer.scale)
+            idx = self._select(q_i, k_i, w_i)
         o, lse = self.attn(q, kv, idx, return_lse=True)
         return o, lse, kv, idx, q_i, k_i, w_i
 
@@ -211,7 +224,6 @@ class DSAttention(nnx.Module):
         if stage == "dense" or self.indexer is None:
             idx = jnp.broadcast_to(indices.compressed_causal(t, self.ratio), (b, t, n_c))
         else:
-            idx = indexer_topk(q_i, k_i, w_i, self.topk, scale=self.indexer.scale,
-                               ratio=self.ratio)
+            idx = self._select(q_i, k_i, w_i, ratio=self.ratio)
         o, lse = self.attn(q, kv, window, return_lse=True, extra_kv=kv_c, extra_idx=idx)
         return o, lse, kv_c, idx, q_i, k_i, w_i

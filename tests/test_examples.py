@@ -2,6 +2,7 @@
 import os
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -62,3 +63,24 @@ def test_layer_benchmark_runs_small():
     assert (label, impl) == ("V4-Flash", "xla")
     assert set(times) == {"indexer", "attn fwd", "attn bwd", "target", "index bwd", "step"}
     assert all(v > 0 for v in times.values())
+
+
+def test_kernel_sized_layer_selects_in_its_dtype_and_trains_on_the_reference(monkeypatch):
+    """examples/train_dsa.py --size kernel (the Hopper kernels' shapes, bf16): the indexer's
+    selection gets bf16 q / k (the indexer kernels' dtype) and the implementation asked for, and
+    a few v4 steps on the reference give finite, changing losses."""
+    import jax_dsa.flax as dsa_flax
+    seen = []
+    real = dsa_flax.indexer_topk
+
+    def spy(q, k, w, topk, **kw):
+        seen.append((q.dtype, k.dtype, kw["implementation"]))
+        return real(q, k, w, topk, **kw)
+
+    monkeypatch.setattr(dsa_flax, "indexer_topk", spy)
+    history = train_dsa.train(steps=3, warmup=1, size="kernel", style="v4",
+                              implementation="xla", verbose=False)
+    assert seen and all(s == (jnp.bfloat16, jnp.bfloat16, "xla") for s in seen)
+    losses = [r["loss"] for r in history]
+    assert np.all(np.isfinite(losses)) and losses[-1] != losses[0]
+    assert np.all(np.isfinite([r["indexer_loss"] for r in history]))
