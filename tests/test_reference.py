@@ -261,11 +261,16 @@ def test_combine_partials_sink_only_dead_and_nan():
     np.testing.assert_allclose(np.asarray(lse)[:, :3], 0.0, atol=1e-7)
 
 
+@pytest.mark.parametrize("concatenate", [False, True], ids=["combined", "concatenated"])
 @pytest.mark.parametrize("sink,topk", [(True, "partial"), (False, "none"), (True, "full")])
-def test_two_pools_equal_one_pool_over_both(sink, topk):
-    """extra_kv / extra_idx / extra_topk_length: o, lse and every gradient (q, both pools,
-    sink) as the float64 oracle gives them on the concatenated pool; a token dead in both pools
-    gets o = 0 and no gradient."""
+def test_two_pools_equal_one_pool_over_both(sink, topk, concatenate, monkeypatch):
+    """extra_kv / extra_idx / extra_topk_length, in both forms (one call per pool combined by
+    lse, and one call over the pools concatenated inside the op): o, lse and every gradient
+    (q, both pools, sink) as the float64 oracle gives them on the concatenated pool; a token
+    dead in both pools gets o = 0 and no gradient."""
+    from jax_dsa import api
+    monkeypatch.setattr(api, "_concatenate_pools", lambda *a: concatenate)
+    jax.clear_caches()
     rng = np.random.default_rng(31 + len(topk) + sink)
     p1 = make_problem(rng, 2, 3, 4, 576, 50, 20, sink=sink, topk=topk)
     p2 = make_problem(rng, 2, 3, 4, 576, 30, 9, topk="partial")
