@@ -84,10 +84,11 @@ def make_mesh(spec: str):
 # Layer shapes: "tiny" for CPU runs, "kernel" for the Hopper kernels (bf16; Dqk 576 / d_v 512 for
 # v3.2, 512 / 512 for v4; the indexer's Di = 128).
 SIZES = {
-    "tiny": dict(batch=8, tokens=32, d_model=32, num_heads=4, head_dim=16, d_v=16,
-                 index_heads=4, index_dim=16, dtype=None, lr=1e-2, window=4,
+    "tiny": dict(batch=8, tokens=32, d_model=32, num_heads=4, head_dim={"v3.2": 16, "v4": 16},
+                 d_v=16, index_heads=4, index_dim=16, dtype=None, lr=1e-2, window=4,
                  topk={"v3.2": 8, "v4": 3}),
-    "kernel": dict(batch=2, tokens=256, d_model=64, num_heads=16, head_dim=576, d_v=512,
+    "kernel": dict(batch=2, tokens=256, d_model=64, num_heads=16,
+                   head_dim={"v3.2": 576, "v4": 512}, d_v=512,
                    index_heads=16, index_dim=128, dtype=jnp.bfloat16, lr=3e-3, window=32,
                    topk={"v3.2": 32, "v4": 16}),
 }
@@ -100,13 +101,12 @@ def train(*, steps=300, warmup=100, size="tiny", topk=None, seed=0, mesh=None, s
     make_mesh). style "v3.2" selects topk of the positions; "v4" a sliding window plus topk of
     the T / 4 compressed rows. implementation: as jax_dsa.sparse_mla's (the attention and the
     indexer's selection)."""
-    cfg = dict(SIZES[size])
+    cfg = SIZES[size]
     if topk is None:
         topk = cfg["topk"][style]
-    head_dim = cfg["head_dim"] if style == "v3.2" else min(cfg["head_dim"], 512)
     extra = dict(style="v4", window=cfg["window"], ratio=4) if style == "v4" else {}
     batch, tokens, d_model, lr = cfg["batch"], cfg["tokens"], cfg["d_model"], cfg["lr"]
-    model = DSAttention(d_model, cfg["num_heads"], head_dim, cfg["d_v"], topk=topk,
+    model = DSAttention(d_model, cfg["num_heads"], cfg["head_dim"][style], cfg["d_v"], topk=topk,
                         index_heads=cfg["index_heads"], index_dim=cfg["index_dim"],
                         dtype=cfg["dtype"], implementation=implementation,
                         rngs=nnx.Rngs(seed), **extra)
