@@ -10,6 +10,7 @@
 # device call) and writes its full log to $OUT (or ./build/gpu); the summary lines are printed.
 set -u
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the examples import the source tree
 out="${OUT:-build/gpu}"
 mkdir -p "$out"
 steps=("$@")

@@ -16,11 +16,12 @@ Grid (ceil(S / 256), ceil(T / tpc), B), 384 threads = 3 warpgroups, one CTA per 
   * warpgroups 1 and 2, the consumers (232 registers): each owns 128 of the rows, two 64-row
     m-tiles held in registers for the whole CTA as the A operands of the score GEMM (wgmma
     64 x NP x 16 with A from registers, 8 k-steps per m-tile; the rows negated once when
-    scale < 0, since ReLU(scale x) = |scale| ReLU(-x)). The two m-tiles are pipelined: while
-    the GEMM of one m-tile runs, the other's epilogue does, for each of its two rows, the sum
-    of ReLU(S) * |scale| w over the thread's NP / 4 head columns, the quad's all-reduce and one
-    store per row (-inf past the causal edge). A token's stage is released once both of its
-    GEMMs are done.
+    scale < 0, since ReLU(scale x) = |scale| ReLU(-x)). The two consumers take turns at the
+    tensor cores (two named barriers): one issues both m-tiles' GEMMs of a token and hands
+    the turn over, then waits for its GEMMs and runs their epilogue (for each of its rows the
+    sum of ReLU(S) * |scale| w over the thread's NP / 4 head columns, the quad's all-reduce,
+    one store per row, -inf past the causal edge) while the other's GEMMs run. A token's
+    stage is released once both of its GEMMs are done.
   Tokens before the first that sees row p0 (causal: the tile is entirely in their future) run
   no GEMM: the consumers store -inf for them.
 Shared memory: k 64 KB + NSTAGE x (16 KB Q + 256 B w) = 129 KB. The wgmma operands are K-major
@@ -47,6 +48,7 @@ BM = 64  # rows of k per m-tile
 MT = 2  # m-tiles per consumer warpgroup
 ROWS = 2 * MT * BM  # rows of k per CTA (256)
 NSTAGE = 4  # Q ring stages
+TURN_BAR = 1  # named barriers TURN_BAR + g: consumer g may issue its GEMMs
 TILE_BYTES = BM * D * 2  # one m-tile of k, or one Q stage (16 KB)
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
 
@@ -213,11 +215,12 @@ class IndexerScoresSm90:
         accs = [thr.make_fragment_C(acc_shape) for _ in range(MT)]
         wv = cute.make_rmem_tensor(nc, cutlass.Float32)
 
-        # Every wgmma is waited for within the iteration that issues it (a wgmma in flight
-        # across the loop's back edge makes ptxas serialize them all): the GEMM of m-tile 0
-        # runs under the previous token's m-tile-1 epilogue, that of m-tile 1 under this
-        # token's m-tile-0 epilogue.
-        wv_prev = cute.make_rmem_tensor(nc, cutlass.Float32)
+        # The two consumers take turns at the tensor cores (named barriers TURN_BAR + g: "g
+        # may issue"): each issues both m-tiles' GEMMs of token t, lets the other issue, waits
+        # for its own and runs the epilogue while the other's GEMMs run. The epilogue follows
+        # a wait, so ptxas cannot interleave it between the wgmma instructions.
+        if g == 1:
+            cute.arch.barrier_arrive(barrier_id=TURN_BAR, number_of_threads=256)
         n = t_end - t_first
         for i in cutlass.range(n, unroll=1):
             t = t_first + i
@@ -225,23 +228,20 @@ class IndexerScoresSm90:
             cute.arch.mbarrier_wait(mbar + 1 + st, (i // NSTAGE) % 2)
             # cp.async data (generic proxy) -> wgmma (async proxy).
             cute.arch.fence_proxy("async.shared", space="cta")
-            self._issue(qk_mma, accs[0], tSrK[0], q_sw, sQ_layout, st, gtid)
-            if i > 0:
-                self._store_rows(accs[1], wv_prev, tScS, mOut, b, T, t - 1, row_base + BM, S,
-                                 start, ratio, gtid)
+            cute.arch.barrier(barrier_id=TURN_BAR + g, number_of_threads=256)
+            for m in cutlass.range_constexpr(MT):
+                self._issue(qk_mma, accs[m], tSrK[m], q_sw, sQ_layout, st, gtid)
+            cute.arch.barrier_arrive(barrier_id=TURN_BAR + 1 - g, number_of_threads=256)
             for c in cutlass.range_constexpr(nc):
                 wv[c] = sW[st * NP + tScS[0, c][1]] * abs_scale
             warpgroup.wait_group(0)
-            self._issue(qk_mma, accs[1], tSrK[1], q_sw, sQ_layout, st, gtid)
-            self._store_rows(accs[0], wv, tScS, mOut, b, T, t, row_base, S, start, ratio, gtid)
-            warpgroup.wait_group(0)
             if lane == 0:  # both GEMMs of token t are done with its stage
                 cute.arch.mbarrier_arrive(mbar + 1 + NSTAGE + st)
-            for c in cutlass.range_constexpr(nc):
-                wv_prev[c] = wv[c]
-        if n > 0:
-            self._store_rows(accs[1], wv_prev, tScS, mOut, b, T, t_end - 1, row_base + BM, S,
-                             start, ratio, gtid)
+            for m in cutlass.range_constexpr(MT):
+                self._store_rows(accs[m], wv, tScS, mOut, b, T, t, row_base + m * BM, S, start,
+                                 ratio, gtid)
+        if g == 0:  # the other's arrival after its last issue
+            cute.arch.barrier(barrier_id=TURN_BAR, number_of_threads=256)
 
     @cute.jit
     def _issue(self, qk_mma: cute.TiledMma, acc: cute.Tensor, rK: cute.Tensor, q_sw,
@@ -265,14 +265,16 @@ class IndexerScoresSm90:
                     mOut: cute.Tensor, b, T: cutlass.Int32, t, row0, S: cutlass.Int32, start,
                     ratio: cutlass.Int32, gtid):
         """The scores of an m-tile's rows for token t: each thread's two rows, summed over
-        its head columns and across the quad; one thread of the quad stores each row."""
+        its head columns (four independent partial sums: a short dependency chain) and across
+        the quad; one thread of the quad stores each row."""
         limit = start + t + 1  # row s is visible iff (s + 1) * ratio <= limit
         out_tok = (cutlass.Int64(b) * cutlass.Int64(T) + cutlass.Int64(t)) * cutlass.Int64(S)
         S_mn = acc_mn_view(acc)
         for r in cutlass.range_constexpr(2):
-            a = cutlass.Float32(0.0)
+            part = [cutlass.Float32(0.0)] * 4
             for c in cutlass.range_constexpr(self.nc):
-                a = a + cute.arch.fmax(S_mn[r, c], 0.0) * wv[c]
+                part[c % 4] = part[c % 4] + cute.arch.fmax(S_mn[r, c], 0.0) * wv[c]
+            a = (part[0] + part[1]) + (part[2] + part[3])
             a = quad_allreduce(a, lambda x, y: x + y)
             row = row0 + tScS[r, 0][0]
             if gtid % 4 == r and row < S:
