@@ -78,3 +78,19 @@ for b, t, h, s, ratio, start in ((2, 37, 7, 300, 1, 250), (1, 70, 64, 513, 4, 10
     assert not np.isnan(np.asarray(sc)).any()
     print(f"indexer B={b} T={t} Hi={h} S={s} ratio={ratio}: ok")
 print("indexer memcheck case done")
+
+# The attention-target kernel: padded heads, invalid entries (both sides of [0, S)), partial
+# lists, K not a multiple of the 64-entry block.
+from jax_dsa.cute import target  # noqa: E402
+
+for h, d in ((100, 576), (5, 512)):
+    t, s = 6, 90
+    q = jnp.asarray(rng.standard_normal((2, t, h, d)), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((2, s, d)), jnp.bfloat16)
+    idx = jnp.asarray(rng.integers(-40, s + 40, (2, t, 70)).astype(np.int32))
+    tl = jnp.asarray(rng.integers(0, 71, (2, t)).astype(np.int32))
+    tg = target.attention_target(q, kv, idx, sink=jnp.zeros(h), topk_length=tl)
+    jax.block_until_ready(tg)
+    assert np.isfinite(np.asarray(tg)).all()
+    print(f"target H={h} Dqk={d}: ok")
+print("target memcheck case done")

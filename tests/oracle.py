@@ -121,3 +121,28 @@ def one_pool(kv1, idx1, lengths1, kv2, idx2, lengths2):
     return np.concatenate([np.asarray(kv1, np.float32), np.asarray(kv2, np.float32)], axis=1), \
         idx.astype(np.int32)
 
+
+def attention_target(p, scale):
+    """float64: softmax probabilities (sink in the denominator) summed over heads, normalised
+    over the token's entries; 0 at invalid entries and on dead tokens."""
+    q, kv, idx = (np.asarray(x, np.float64) for x in (p.q, p.kv, p.idx))
+    b, t, h, _ = q.shape
+    k = idx.shape[2]
+    s_rows = kv.shape[1]
+    sink = np.full(h, -np.inf) if p.sink is None else np.asarray(p.sink, np.float64)
+    out = np.zeros((b, t, k))
+    for bi in range(b):
+        for ti in range(t):
+            valid = [(j, int(r)) for j, r in enumerate(p.idx[bi, ti])
+                     if j < p.lengths[bi, ti] and 0 <= r < s_rows]
+            if not valid:
+                continue
+            mass = np.zeros(k)
+            for hi in range(h):
+                s = np.array([scale * q[bi, ti, hi] @ kv[bi, r] for _, r in valid])
+                m = s.max()
+                den = np.exp(s - m).sum() + np.exp(sink[hi] - m)
+                for (j, _), sj in zip(valid, s):
+                    mass[j] += np.exp(sj - m) / den
+            out[bi, ti] = mass / mass.sum()
+    return out

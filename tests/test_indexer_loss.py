@@ -8,32 +8,7 @@ import jax.numpy as jnp
 
 import jax_dsa
 from cases import make_problem, rel_err
-
-
-def np_target(p, scale):
-    """float64: softmax probabilities (sink in the denominator) summed over heads, normalised
-    over the token's entries; 0 at invalid entries and on dead tokens."""
-    q, kv, idx = (np.asarray(x, np.float64) for x in (p.q, p.kv, p.idx))
-    b, t, h, _ = q.shape
-    k = idx.shape[2]
-    s_rows = kv.shape[1]
-    sink = np.full(h, -np.inf) if p.sink is None else np.asarray(p.sink, np.float64)
-    out = np.zeros((b, t, k))
-    for bi in range(b):
-        for ti in range(t):
-            valid = [(j, int(r)) for j, r in enumerate(p.idx[bi, ti])
-                     if j < p.lengths[bi, ti] and 0 <= r < s_rows]
-            if not valid:
-                continue
-            mass = np.zeros(k)
-            for hi in range(h):
-                s = np.array([scale * q[bi, ti, hi] @ kv[bi, r] for _, r in valid])
-                m = s.max()
-                den = np.exp(s - m).sum() + np.exp(sink[hi] - m)
-                for (j, _), sj in zip(valid, s):
-                    mass[j] += np.exp(sj - m) / den
-            out[bi, ti] = mass / mass.sum()
-    return out
+from oracle import attention_target as np_target
 
 
 def np_kl(q, k, w, idx, lengths, target, scale):
@@ -177,3 +152,37 @@ def test_deterministic_indexer_loss_gradients_equal_the_default():
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
     with pytest.raises(TypeError, match="deterministic must be"):
         jax_dsa.indexer_loss(*args, idx, target, deterministic=1)
+
+
+def emulated_target_kernel(q, kv, idx, topk_length, off, *, scale, poison_outputs=False):
+    """The target kernel's contract in jnp (ffi.attention_mass): per block of 64 heads, the sum
+    of exp(scale q.k - off) over the heads, at the valid entries; 0 elsewhere."""
+    b, t, h, _ = q.shape
+    s_rows, k = kv.shape[1], idx.shape[2]
+    valid = (idx >= 0) & (idx < s_rows) & (jnp.arange(k) < topk_length[..., None])
+    rows = jax.vmap(lambda kv_b, i_b: kv_b[i_b])(kv, jnp.clip(idx, 0, s_rows - 1))
+    s = jnp.einsum("bthd,btkd->bthk", q.astype(jnp.float32), rows.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST) * scale
+    p = jnp.where(valid[:, :, None, :], jnp.exp(s - off[..., None]), 0.0)
+    n_hb = -(-h // 64)
+    p = jnp.pad(p, [(0, 0), (0, 0), (0, 64 * n_hb - h), (0, 0)])
+    return p.reshape(b, t, n_hb, 64, k).sum(axis=3)
+
+
+@pytest.mark.parametrize("sink,topk,h", [(False, "none", 3), (True, "partial", 70)])
+def test_target_kernel_path_with_an_emulated_kernel(monkeypatch, sink, topk, h):
+    """jax_dsa.cute.target.run (the offsets logaddexp(lse, sink) with +inf for dead heads, the
+    sum of the head blocks, the normalisation) with the target kernel replaced by a jnp
+    emulation of its contract: the float64 oracle's target."""
+    from jax_dsa.cute import ffi, target as cute_target
+    monkeypatch.setattr(ffi, "attention_mass", emulated_target_kernel)
+    p = make_problem(np.random.default_rng(4), 2, 5, h, 16, 12, 7, sink=sink, topk=topk)
+    sink_arr = jnp.full((h,), -jnp.inf) if p.sink is None else jnp.asarray(p.sink)
+    _, lse = jax_dsa.sparse_mla(p.q, p.kv, jnp.asarray(p.idx), scale=p.scale,
+                                sink=None if p.sink is None else sink_arr,
+                                topk_length=jnp.asarray(p.lengths), return_lse=True)
+    got = np.asarray(cute_target.run(jnp.asarray(p.q), jnp.asarray(p.kv), jnp.asarray(p.idx),
+                                     jnp.asarray(p.lengths), sink_arr, lse, p.scale))
+    want = np_target(p, p.scale)
+    assert rel_err(got, want) < 1e-5
+    np.testing.assert_array_equal(got[0, 0], 0.0)  # the dead token

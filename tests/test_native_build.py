@@ -39,6 +39,10 @@ def test_library_loads_and_exports_handlers():
     lib.JaxDsaIndexerNumKernels.restype = ctypes.c_int
     assert lib.JaxDsaIndexerNumKernels() == 3
     assert getattr(lib, "JaxDsaIndexerTopkSm90") is not None
+    assert _native.has_target()  # the attention-target kernel (bf16, f16 x Dqk 512, 576)
+    lib.JaxDsaTargetNumKernels.restype = ctypes.c_int
+    assert lib.JaxDsaTargetNumKernels() == 4
+    assert getattr(lib, "JaxDsaAttentionTargetSm90") is not None
 
 
 @needs_lib

@@ -31,9 +31,11 @@ TARGETS = {
     "jax_dsa_group_union_sm90": "JaxDsaGroupUnionSm90",
     "jax_dsa_indexer_scores_sm90": "JaxDsaIndexerScoresSm90",
     "jax_dsa_indexer_topk_sm90": "JaxDsaIndexerTopkSm90",
+    "jax_dsa_attention_target_sm90": "JaxDsaAttentionTargetSm90",
 }
 # Module loaders of the handler files (called once, outside any CUDA-graph capture).
-_INITS = ("JaxDsaInit", "JaxDsaBwdInit", "JaxDsaGroupUnionInit", "JaxDsaIndexerInit")
+_INITS = ("JaxDsaInit", "JaxDsaBwdInit", "JaxDsaGroupUnionInit", "JaxDsaIndexerInit",
+          "JaxDsaTargetInit")
 
 _lock = threading.Lock()
 _lib = None
@@ -136,6 +138,11 @@ def has_group_union() -> bool:
 def has_indexer() -> bool:
     """True when the library holds the indexer kernels. Never raises."""
     return _num_kernels("JaxDsaIndexerNumKernels") > 0
+
+
+def has_target() -> bool:
+    """True when the library holds the attention-target kernels. Never raises."""
+    return _num_kernels("JaxDsaTargetNumKernels") > 0
 
 
 def _i32(x):
@@ -249,3 +256,17 @@ def indexer_topk(scores, topk: int):
     out = (jax.ShapeDtypeStruct((B, T, topk), jnp.float32),
            jax.ShapeDtypeStruct((B, T, topk), jnp.int32))
     return _call("jax_dsa_indexer_topk_sm90", out, _f32(scores), topk=np.int32(topk))
+
+
+def attention_mass(q, kv, idx, topk_length, off, *, scale, poison_outputs=False):
+    """Each entry's attention mass summed over each block of 64 heads, [B, T, ceil(H / 64), K]
+    float32 (0 at invalid entries), on the target kernel (ffi/attention_target.cc).
+
+    q [B, T, H, Dqk] bf16/f16, kv [B, S, Dqk], idx [B, T, K] int32, topk_length [B, T] int32,
+    off [B, T, H] float32 = logaddexp(lse, sink) (+inf for a dead head), scale: Python float.
+    poison_outputs (tests): the handler fills mass with NaN before the launch.
+    """
+    B, T, H, _ = q.shape
+    out = jax.ShapeDtypeStruct((B, T, -(-H // 64), idx.shape[2]), jnp.float32)
+    return _call("jax_dsa_attention_target_sm90", out, q, kv, _i32(idx), _i32(topk_length),
+                 _f32(off), scale=np.float32(scale), poison=np.int32(bool(poison_outputs)))

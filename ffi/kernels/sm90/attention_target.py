@@ -1,0 +1,237 @@
+"""The indexer's training target for sm_90a: each entry's attention mass summed over a block of
+64 heads, from q, kv and the forward's log-sum-exp (no [B, T, H, K] array in HBM).
+
+    mass[b, t, hb, j] = sum_{h in head block hb} exp(scale * q[b, t, h] . kv[b, idx[b, t, j]]
+                                                      - off[b, t, h])
+                        (0 for invalid entries: j >= min(K, topk_length), idx < 0, idx >= S)
+
+with off = logaddexp(lse, sink) (+inf for dead heads: every term 0), so that each term is
+sparse_mla's probability p[b, t, h, j] with the sink in its denominator. jax_dsa/cute/target.py
+computes off, sums the head blocks and normalises over the entries.
+
+Layouts (flattened row-major): q (B*T*H, Dqk), kv (B*S, Dqk), idx (B*T*K,) int32,
+topk_length (B*T,) int32, off (B*T*H,) float32, mass (B*T*n_hb*K,) float32 with
+n_hb = ceil(H / 64); every element of mass is written.
+
+Grid (B*T*n_hb): a token's head blocks adjacent (they gather the same rows while those are in
+L2); 128 threads = one warpgroup, one CTA per SM. The 64 head rows of Q go to shared memory
+once (heads >= H zero-filled, never read from global), then the token's list is walked in
+blocks of 64 entries through a two-stage ring: the gather of block n + 1 (16-byte cp.async, 8
+threads per row; invalid entries are zero-filled rows that read nothing) runs under block n's
+S = Q K^T (wgmma 64 x 64 x 16, both operands K-major with the 128-byte swizzle in shared
+memory, Dqk / 16 k-steps) and its epilogue: p = exp2(S scale log2(e) - off log2(e)), masked
+to the valid entries, summed over each thread's two head rows, across the 8 lanes that hold
+the same columns (shuffles) and across the 4 warps (shared memory); one store per entry.
+Shared memory: Q 64 x Dqk + 2 x 64 x Dqk (216 KB at Dqk 576) + 1 KB of partial sums.
+
+Entry point: compile_attention_target(dtype, d_qk); ffi/build.py exports it as
+jax_dsa_attention_target_<dtype>_d<Dqk> (ffi/attention_target.cc).
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+import cuda.bindings.driver as cuda
+
+from .common import LOG2_E, acc_mn_view, cp_async_16_zfill, gather_source, sw128_offset
+
+BM = 64  # heads per CTA
+BN = 64  # entries per block
+THREADS = 128
+TPR = 8  # gather threads per row: 128 contiguous bytes per row and instruction
+ROWS_PER_PASS = THREADS // TPR  # 16
+PASSES = BN // ROWS_PER_PASS  # 4 rows per gather thread
+
+
+class AttentionTargetSm90:
+    def __init__(self, dtype, d_qk: int):
+        assert d_qk in (512, 576)
+        self.dtype = dtype
+        self.d_qk = d_qk
+        self.chunks = d_qk // 8  # 16-byte chunks per row
+        self.tile_bytes = BM * d_qk * 2  # one 64-row tile (Q, or one ring stage)
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor, mLen: cute.Tensor,
+                 mOff: cute.Tensor, mMass: cute.Tensor, B: cutlass.Int32, T: cutlass.Int32,
+                 H: cutlass.Int32, S: cutlass.Int32, K: cutlass.Int32, scale: cutlass.Float32,
+                 stream: cuda.CUstream):
+        k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128,
+                                                 self.dtype)
+        tile_layout = cute.tile_to_shape(k_atom, (BM, self.d_qk), (0, 1))
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, BM * self.d_qk], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, 2 * BN * self.d_qk], 1024]
+            sPart: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * BN], 16]
+            sValid: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * BN], 16]
+
+        mma = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            cutlass.Float32, (1, 1, 1), (BM, BN))
+        n_hb = (H + BM - 1) // BM
+        self.kernel(mQ, mKV, mIdx, mLen, mOff, mMass, T, H, S, K, n_hb, scale, k_atom.inner,
+                    tile_layout.outer, mma, SharedStorage).launch(
+            grid=[B * T * n_hb, 1, 1], block=[THREADS, 1, 1],
+            smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=1, stream=stream)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor, mLen: cute.Tensor,
+               mOff: cute.Tensor, mMass: cute.Tensor, T: cutlass.Int32, H: cutlass.Int32,
+               S: cutlass.Int32, K: cutlass.Int32, n_hb: cutlass.Int32, scale: cutlass.Float32,
+               swz: cute.Swizzle, tile_layout: cute.Layout, mma: cute.TiledMma,
+               SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        hb = cta % n_hb
+        bt32 = cta // n_hb
+        bt = cutlass.Int64(bt32)
+        b = bt32 // T
+        h0 = hb * BM
+        lane = tidx % 32
+        warp = tidx // 32
+        k_eff = cutlass.min(K, cutlass.max(mLen[bt], 0))
+        n_blocks = (k_eff + BN - 1) // BN
+        idx_base = bt * cutlass.Int64(K)
+        kv_batch = cutlass.Int64(b) * cutlass.Int64(S)
+        mass_base = (bt * cutlass.Int64(n_hb) + cutlass.Int64(hb)) * cutlass.Int64(K)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sPart = storage.sPart.get_tensor(cute.make_layout(4 * BN))
+        sValid = storage.sValid.get_tensor(cute.make_layout(2 * BN))
+        q_smem = storage.sQ.data_ptr().toint()
+        kv_smem = storage.sKV.data_ptr().toint()
+
+        # ---- slots past the blocks the list fills: zero ----
+        for j in cutlass.range(n_blocks * BN + tidx, K, THREADS, unroll=1):
+            mMass[mass_base + cutlass.Int64(j)] = cutlass.Float32(0.0)
+
+        # ---- Q's 64 head rows (heads >= H: zeros, nothing read) ----
+        row = tidx // TPR
+        sub = tidx % TPR
+        q_addr = mQ.iterator.toint()
+        for p in cutlass.range_constexpr(BM // ROWS_PER_PASS):
+            r = row + ROWS_PER_PASS * p
+            ok = h0 + r < H
+            src = q_addr + ((bt * cutlass.Int64(H) + cutlass.Int64(h0 + r)) * cutlass.Int64(
+                self.d_qk) + cutlass.Int64(8 * sub)) * 2
+            for i in cutlass.range_constexpr(self.chunks // TPR):
+                ch = sub + TPR * i
+                cp_async_16_zfill(q_smem + sw128_offset(BM, r, ch),
+                                  src + 16 * TPR * i if ok else q_addr,
+                                  cutlass.Int32(16) if ok else cutlass.Int32(0))
+
+        # ---- this thread's two head rows: off in log2 units (+inf: dead or padded head) ----
+        thr = mma.get_slice(tidx)
+        tScS = acc_mn_view(thr.partition_C(cute.make_identity_tensor((BM, BN))))
+        scale_log2 = scale * LOG2_E
+        off_r = cute.make_rmem_tensor(2, cutlass.Float32)
+        for r in cutlass.range_constexpr(2):
+            h = h0 + tScS[r, 0][0]
+            v = cutlass.Float32.inf
+            if h < H:
+                v = mOff[bt * cutlass.Int64(H) + cutlass.Int64(h)] * LOG2_E
+            off_r[r] = v
+
+        kv_addr = mKV.iterator.toint()
+        if n_blocks > 0:
+            self._gather(mIdx, kv_addr, kv_smem, sValid, 0, 0, k_eff, idx_base, kv_batch, S,
+                         row, sub)
+        cute.arch.cp_async_commit_group()
+
+        sQ = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(), swizzle_=swz), tile_layout)
+        tSrQ = thr.make_fragment_A(thr.partition_A(sQ))
+        kv_sw = cute.recast_ptr(storage.sKV.data_ptr(), swizzle_=swz)
+        acc = thr.make_fragment_C(thr.partition_shape_C((BM, BN)))
+        S_mn = acc_mn_view(acc)
+        nc = cute.size(S_mn, mode=[1])
+        for blk in cutlass.range(n_blocks, unroll=1):
+            st = blk % 2
+            # Block blk + 1's gather into the other stage (read by block blk - 1's GEMM, which
+            # every warp has waited for before the previous iteration's last barrier).
+            if blk + 1 < n_blocks:
+                self._gather(mIdx, kv_addr, kv_smem, sValid, blk + 1, 1 - st, k_eff, idx_base,
+                             kv_batch, S, row, sub)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(1)  # this thread's copies of block blk (and Q)
+            # cp.async writes (generic proxy) -> wgmma reads (async proxy), then all threads'.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier()
+
+            sK = cute.make_tensor(kv_sw + cute.assume(st * (BN * self.d_qk), divby=4096),
+                                  tile_layout)
+            tSrK = thr.make_fragment_B(thr.partition_B(sK))
+            warpgroup.fence()
+            for kk in cutlass.range_constexpr(self.d_qk // 16):
+                mma.set(warpgroup.Field.ACCUMULATE, kk != 0)
+                cute.gemm(mma, acc, tSrQ[None, None, kk], tSrK[None, None, kk], acc)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+            # p summed over the thread's two rows, then over the 8 lanes of equal lane % 4
+            # (they hold the same columns), then over the 4 warps.
+            for c in cutlass.range_constexpr(nc):
+                col = tScS[0, c][1]
+                a = cute.math.exp2(S_mn[0, c] * scale_log2 - off_r[0], fastmath=True)
+                a = a + cute.math.exp2(S_mn[1, c] * scale_log2 - off_r[1], fastmath=True)
+                a = cutlass.select_(sValid[st * BN + col] != 0, a, cutlass.Float32(0.0))
+                for m in (4, 8, 16):
+                    a = a + cute.arch.shuffle_sync_bfly(a, offset=m)
+                if lane < 4:
+                    sPart[warp * BN + col] = a
+            cute.arch.barrier()
+            if tidx < BN:
+                j = blk * BN + tidx
+                tot = (sPart[tidx] + sPart[BN + tidx]) + (sPart[2 * BN + tidx]
+                                                          + sPart[3 * BN + tidx])
+                if j < K:
+                    mMass[mass_base + cutlass.Int64(j)] = tot
+        cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def _gather(self, mIdx: cute.Tensor, kv_addr: cutlass.Int64, kv_smem: cutlass.Int32,
+                sValid: cute.Tensor, blk, st, k_eff: cutlass.Int32, idx_base: cutlass.Int64,
+                kv_batch: cutlass.Int64, S: cutlass.Int32, row, sub):
+        """Block blk's 64 rows into ring stage st: rows row + 16 p, chunks sub + 8 i of each;
+        an invalid entry is a zero-filled row (nothing read) and sValid 0."""
+        base = kv_smem + st * self.tile_bytes
+        for p in cutlass.range_constexpr(PASSES):
+            r = row + ROWS_PER_PASS * p
+            j = blk * BN + r
+            entry = cutlass.Int32(-1)
+            if j < k_eff:
+                entry = mIdx[idx_base + cutlass.Int64(j)]
+            ok = entry >= 0 and entry < S
+            if sub == 0:
+                sValid[st * BN + r] = cutlass.Int32(1) if ok else cutlass.Int32(0)
+            src, nbytes = gather_source(kv_addr, kv_batch, entry, ok, self.d_qk * 2,
+                                        cutlass.Int64(sub * 16))
+            for i in cutlass.range_constexpr(self.chunks // TPR):
+                ch = sub + TPR * i
+                cp_async_16_zfill(base + sw128_offset(BN, r, ch), src, nbytes, 0,
+                                  16 * TPR * i)
+
+
+def fake_args(dtype, d_qk: int):
+    """q (B*T*H, Dqk), kv (B*S, Dqk), idx (B*T*K,), topk_length (B*T,), off (B*T*H,) f32,
+    mass (B*T*n_hb*K,) f32, then B, T, H, S, K, scale and the stream."""
+    rows_q, rows_kv, n_idx, n_tok, n_mass = (cute.sym_int64() for _ in range(5))
+    i32 = cutlass.Int32(1)
+    return (
+        make_fake_compact_tensor(dtype, (rows_q, d_qk), stride_order=(1, 0), assumed_align=16),
+        make_fake_compact_tensor(dtype, (rows_kv, d_qk), stride_order=(1, 0), assumed_align=16),
+        make_fake_compact_tensor(cutlass.Int32, (n_idx,), assumed_align=4),
+        make_fake_compact_tensor(cutlass.Int32, (n_tok,), assumed_align=4),
+        make_fake_compact_tensor(cutlass.Float32, (rows_q,), assumed_align=4),
+        make_fake_compact_tensor(cutlass.Float32, (n_mass,), assumed_align=4),
+        i32, i32, i32, i32, i32, cutlass.Float32(1.0), make_fake_stream(),
+    )
+
+
+def compile_attention_target(dtype, d_qk: int):
+    """Compile with shape-only tensors (fake_args)."""
+    return cute.compile(AttentionTargetSm90(dtype, d_qk), *fake_args(dtype, d_qk))
