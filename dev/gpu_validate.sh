@@ -32,7 +32,7 @@ for step in "${steps[@]}"; do
     tests-fwd) pytest_step tests-fwd 200 tests/test_gpu_forward.py ;;
     tests-bwd) pytest_step tests-bwd 540 -s tests/test_gpu_backward.py ;;
     tests-rest) pytest_step tests-rest 300 tests/test_gpu_group_union.py \
-        tests/test_gpu_training.py tests/test_gpu_indexer.py tests/test_gpu_target.py \
+        tests/test_gpu_training.py tests/test_gpu_indexer.py tests/test_gpu_target.py tests/test_gpu_indexer_loss.py \
         tests/test_native_build.py ;;
     memcheck)
       timeout 240 compute-sanitizer --tool memcheck --leak-check no python3 \

@@ -56,7 +56,7 @@ ffi::Error AttentionTarget(cudaStream_t stream, int32_t device, ffi::AnyBuffer q
   auto err = [](const std::string& m) {
     return ffi::Error::InvalidArgument("jax_dsa attention_target: " + m);
   };
-  Extents x;
+  Extents x{};
   std::string msg = CheckInputs(q, kv, idx, topk_length, &x);
   if (!msg.empty()) return err(msg);
   const int64_t n_hb = (x.H + 63) / 64;

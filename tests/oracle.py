@@ -146,3 +146,32 @@ def attention_target(p, scale):
                     mass[j] += np.exp(sj - m) / den
             out[bi, ti] = mass / mass.sum()
     return out
+
+
+def indexer_loss_grads(q, k, w, idx, lengths, target, g, scale):
+    """float64 (dq, dk, dw) of sum_t g[b, t] KL(target || softmax of the indexer scores over
+    the valid entries), from the formulas: dscore = g (p sum(target) - target),
+    dw = sum_j dscore_j ReLU(a_hj), dd = scale [a > 0] dscore w, dq = dd rows, dk += dd^T q."""
+    q, k, w, target, g = (np.asarray(x, np.float64) for x in (q, k, w, target, g))
+    b, t, h, d = q.shape
+    dq, dk, dw = np.zeros_like(q), np.zeros_like(k), np.zeros_like(w)
+    for bi in range(b):
+        for ti in range(t):
+            valid = [(j, int(r)) for j, r in enumerate(idx[bi, ti])
+                     if j < lengths[bi, ti] and 0 <= r < k.shape[1]]
+            if not valid:
+                continue
+            slots = [j for j, _ in valid]
+            rows = np.array([r for _, r in valid])
+            kr = k[bi, rows]  # [nv, d]
+            a = scale * q[bi, ti] @ kr.T  # [h, nv]
+            score = (w[bi, ti][:, None] * np.maximum(a, 0)).sum(0)
+            p = np.exp(score - score.max())
+            p /= p.sum()
+            tg = target[bi, ti, slots]
+            ds = g[bi, ti] * (p * tg.sum() - tg)
+            dw[bi, ti] = np.maximum(a, 0) @ ds
+            dd = scale * (a > 0) * ds[None, :] * w[bi, ti][:, None]
+            dq[bi, ti] = dd @ kr
+            np.add.at(dk[bi], rows, dd.T @ q[bi, ti])
+    return dq, dk, dw

@@ -186,3 +186,32 @@ def test_target_kernel_path_with_an_emulated_kernel(monkeypatch, sink, topk, h):
     want = np_target(p, p.scale)
     assert rel_err(got, want) < 1e-5
     np.testing.assert_array_equal(got[0, 0], 0.0)  # the dead token
+
+
+def emulated_loss_kernel(q, k, w, idx, topk_length, target, g, *, scale):
+    """The loss kernel's contract in jnp (ffi.indexer_loss_bwd): float32 (dq, dw, dk) of
+    sum_t g_t KL_t, dk added only at valid entries."""
+    from jax_dsa.indexer_loss import _kl
+    f = lambda q, k, w: jnp.sum(g * _kl(q, k, w, idx, topk_length, target, scale,  # noqa
+                                        False))
+    dq, dk, dw = jax.grad(f, argnums=(0, 1, 2))(q.astype(jnp.float32), k.astype(jnp.float32),
+                                                w.astype(jnp.float32))
+    return dq, dw, dk
+
+
+def test_loss_kernel_path_with_an_emulated_kernel(monkeypatch):
+    """jax_dsa.cute.indexer_loss.backward (argument order, the casts to the inputs' dtypes) with
+    the kernel replaced by a jnp emulation of its contract: the float64 oracle's gradients."""
+    from jax_dsa.cute import ffi, indexer_loss as cute_loss
+    from oracle import indexer_loss_grads
+    monkeypatch.setattr(ffi, "indexer_loss_bwd", emulated_loss_kernel)
+    q, k, w, idx, lengths, target = _loss_problem(seed=6)
+    g = np.random.default_rng(7).standard_normal(idx.shape[:2])
+    got = cute_loss.backward(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32),
+                             jnp.asarray(w, jnp.float32), jnp.asarray(idx),
+                             jnp.asarray(lengths), jnp.asarray(target, jnp.float32),
+                             jnp.asarray(g, jnp.float32), 0.7)
+    want = indexer_loss_grads(q, k, w, idx, lengths, target, g, 0.7)
+    for a, b in zip(got, want):
+        assert a.dtype == jnp.float32
+        assert rel_err(a, b) < 1e-5, rel_err(a, b)

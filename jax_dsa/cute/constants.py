@@ -27,7 +27,10 @@ UNION_CAPACITY = 6144
 INDEXER_DIM = 128
 INDEXER_MAX_HEADS = 64
 INDEXER_MAX_TOPK = 4096
+# The indexer loss's backward kernel: the most entries per token (its shared-memory score row).
+INDEXER_LOSS_MAX_K = 4096
 
 # Written into jax_dsa_constants.h by ffi/build.py (C++ name: k + CamelCase).
 CPP = ("D_V", "MAX_HEADS", "SMALL_HEADS", "MEMBER_SHIFT", "GROUPS", "UNION_TABLES",
-       "UNION_CAPACITY", "INDEXER_DIM", "INDEXER_MAX_HEADS", "INDEXER_MAX_TOPK")
+       "UNION_CAPACITY", "INDEXER_DIM", "INDEXER_MAX_HEADS", "INDEXER_MAX_TOPK",
+       "INDEXER_LOSS_MAX_K")

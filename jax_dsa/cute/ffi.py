@@ -32,10 +32,11 @@ TARGETS = {
     "jax_dsa_indexer_scores_sm90": "JaxDsaIndexerScoresSm90",
     "jax_dsa_indexer_topk_sm90": "JaxDsaIndexerTopkSm90",
     "jax_dsa_attention_target_sm90": "JaxDsaAttentionTargetSm90",
+    "jax_dsa_indexer_loss_bwd_sm90": "JaxDsaIndexerLossBwdSm90",
 }
 # Module loaders of the handler files (called once, outside any CUDA-graph capture).
 _INITS = ("JaxDsaInit", "JaxDsaBwdInit", "JaxDsaGroupUnionInit", "JaxDsaIndexerInit",
-          "JaxDsaTargetInit")
+          "JaxDsaTargetInit", "JaxDsaLossInit")
 
 _lock = threading.Lock()
 _lib = None
@@ -143,6 +144,11 @@ def has_indexer() -> bool:
 def has_target() -> bool:
     """True when the library holds the attention-target kernels. Never raises."""
     return _num_kernels("JaxDsaTargetNumKernels") > 0
+
+
+def has_indexer_loss() -> bool:
+    """True when the library holds the indexer-loss backward kernels. Never raises."""
+    return _num_kernels("JaxDsaLossNumKernels") > 0
 
 
 def _i32(x):
@@ -270,3 +276,19 @@ def attention_mass(q, kv, idx, topk_length, off, *, scale, poison_outputs=False)
     out = jax.ShapeDtypeStruct((B, T, -(-H // 64), idx.shape[2]), jnp.float32)
     return _call("jax_dsa_attention_target_sm90", out, q, kv, _i32(idx), _i32(topk_length),
                  _f32(off), scale=np.float32(scale), poison=np.int32(bool(poison_outputs)))
+
+
+def indexer_loss_bwd(q, k, w, idx, topk_length, target, g, *, scale):
+    """(dq [B, T, Hi, 128], dw [B, T, Hi], dk [B, S, 128]), all float32: the gradients of
+    sum_t g[b, t] KL_t of jax_dsa.indexer_loss on the loss kernel (ffi/indexer_loss.cc).
+
+    q [B, T, Hi, 128] bf16/f16 (Hi <= 64), k [B, S, 128] (q's dtype), w [B, T, Hi], idx
+    [B, T, K] int32 (K <= INDEXER_LOSS_MAX_K), topk_length [B, T] int32, target [B, T, K],
+    g [B, T] (cast to float32), scale: Python float.
+    """
+    B, T, H, D = q.shape
+    out = (jax.ShapeDtypeStruct((B, T, H, D), jnp.float32),
+           jax.ShapeDtypeStruct((B, T, H), jnp.float32),
+           jax.ShapeDtypeStruct(k.shape, jnp.float32))
+    return _call("jax_dsa_indexer_loss_bwd_sm90", out, q, k, _f32(w), _i32(idx),
+                 _i32(topk_length), _f32(target), _f32(g), scale=np.float32(scale))

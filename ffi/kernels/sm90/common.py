@@ -169,6 +169,16 @@ def red_add_v4_f32_if(pred, ptr, a, b, c, d, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def red_add_v2_f32_if(pred, ptr, a, b, *, loc=None, ip=None):
+    """red.global.add.v2.f32 [ptr], {a, b} under a predicate (pred != 0; ptr 8-byte aligned
+    global memory, not touched when pred is 0)."""
+    _asm("{ .reg .pred p; setp.ne.b32 p, $3, 0; @p red.relaxed.gpu.global.add.v2.f32 [$0], "
+         "{$1, $2}; }", "l,f,f,r",
+         [_ir(ptr, loc, ip)] + _f32s((a, b), loc, ip)
+         + [cutlass.Int32(pred).ir_value(loc=loc, ip=ip)], loc, ip)
+
+
+@dsl_user_op
 def st_global_v4_f32_if(pred, ptr, a, b, c, d, *, loc=None, ip=None):
     """st_global_v4_f32 under a predicate (pred != 0), see red_add_v4_f32_if."""
     _v4_f32_if("st.global.v4.f32", pred, ptr, (a, b, c, d), loc, ip)

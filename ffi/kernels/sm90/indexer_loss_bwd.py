@@ -1,0 +1,417 @@
+"""The indexer loss's backward for sm_90a: dq, dweights and dk of the per-token
+KL(target || softmax_j score_j), from q, k, w, the selection and the target (no [B, T, Hi, K]
+array in HBM).
+
+    a[h, j]  = scale * q[b, t, h] . k[b, idx_j]          score_j = sum_h w_h ReLU(a[h, j])
+    dscore_j = g_t (p_j sum_i target_i - target_j)       p = softmax over the valid entries
+    dw_h     = sum_j dscore_j ReLU(a[h, j])
+    dd[h, j] = scale [a[h, j] > 0] dscore_j w_h
+    dq[h]    = sum_j dd[h, j] k[idx_j]                   dk[idx_j] += sum_h dd[h, j] q[h]
+
+An entry is valid when j < min(K, topk_length) and 0 <= idx_j < S; invalid entries take no
+part and their rows of k are never read or written. Layouts (flattened row-major): q
+(B*T*Hi, 128), k (B*S, 128), w (B*T*Hi,) f32, idx (B*T*K,) int32, topk_length (B*T,) int32,
+target (B*T*K,) f32, g (B*T,) f32; outputs dq (B*T*Hi*128,) f32, dw (B*T*Hi,) f32 and
+dk (B*S, 128) f32, which the kernel adds to (the handler zero-fills it first).
+
+Grid (B*T): one CTA per token, 128 threads = one warpgroup; K <= INDEXER_LOSS_MAX_K. Q (the
+token's Hi <= 64 head rows, zero rows above Hi) goes to shared memory once; the list is walked
+twice in blocks of 64 entries, each block's rows of k gathered by 16-byte cp.async through a
+two-stage ring (invalid entries: zero rows that read nothing):
+  1. S = Q K^T (wgmma 64 x 64 x 16), score_j summed over the heads (each thread's two rows,
+     the 8 lanes holding the same columns, the 4 warps through shared memory) into a
+     shared-memory row of K scores (-inf at invalid entries);
+  then the softmax over the row and dscore in place (block reductions);
+  2. S again; dw accumulated in registers; dd written to shared memory as two 16-bit tiles
+     (hi = round(dd), lo = round(dd - hi), so that the products keep ~16 mantissa bits);
+     dq += dd K_blk (wgmma, A = dd tiles, B = an MN-major view of the gathered rows) stays in
+     registers for the whole list; drow = dd^T Q (A = MN-major views of the dd tiles, B = an
+     MN-major view of Q) is added to dk[idx_j] with red.global.add.v2.f32, never at an
+     invalid entry.
+Shared memory: Q 16 KB + 2 x 16 KB ring + 2 x 8 KB dd tiles + 4 x K bytes of scores.
+
+Entry point: compile_indexer_loss_bwd(dtype); ffi/build.py exports it as
+jax_dsa_indexer_loss_bwd_<dtype> (ffi/indexer_loss.cc).
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+import cuda.bindings.driver as cuda
+
+from jax_dsa.cute.constants import INDEXER_DIM as D, INDEXER_LOSS_MAX_K as KMAX
+from .common import (LOG2_E, acc_mn_view, cp_async_16_zfill, gather_source,
+                     red_add_v2_f32_if, sw128_offset)
+
+BM = 64  # head rows (Hi <= 64, padded)
+BN = 64  # entries per block
+THREADS = 128
+TPR = 8  # gather threads per row
+ROWS_PER_PASS = THREADS // TPR  # 16
+PASSES = BN // ROWS_PER_PASS  # 4
+TILE_BYTES = BN * D * 2  # one 64-row tile of k (or of Q): 16 KB
+
+
+class IndexerLossBwdSm90:
+    def __init__(self, dtype):
+        self.dtype = dtype
+        self.chunks = D // 8  # 16-byte chunks per row (16)
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mIdx: cute.Tensor,
+                 mLen: cute.Tensor, mTarget: cute.Tensor, mG: cute.Tensor, mDQ: cute.Tensor,
+                 mDW: cute.Tensor, mDK: cute.Tensor, B: cutlass.Int32, T: cutlass.Int32,
+                 Hi: cutlass.Int32, S: cutlass.Int32, K: cutlass.Int32,
+                 scale: cutlass.Float32, stream: cuda.CUstream):
+        dt = self.dtype
+        k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, dt)
+        mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, dt)
+        # K-major tiles: Q and a block of k (64 rows x 128), dd (64 heads x 64 entries).
+        row_layout = cute.tile_to_shape(k_atom, (BM, D), (0, 1))
+        dd_layout = cute.tile_to_shape(k_atom, (BM, BN), (0, 1))
+        # MN-major views of the same bytes: (the contiguous dim, the rows).
+        rowt_layout = cute.tile_to_shape(mn_atom, (D, BN), (1, 0))  # 128 x 64
+        ddt_layout = cute.tile_to_shape(mn_atom, (BN, BM), (1, 0))  # 64 x 64
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, BM * D], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, 2 * BN * D], 1024]
+            sDD: cute.struct.Align[cute.struct.MemRange[dt, 2 * BM * BN], 1024]  # hi, lo
+            sScore: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, KMAX], 16]
+            sPart: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * BN], 16]
+            sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 8], 16]
+            sRow: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * BN], 16]
+
+        self.kernel(mQ, mK, mW, mIdx, mLen, mTarget, mG, mDQ, mDW, mDK, T, Hi, S, K, scale,
+                    k_atom.inner, row_layout.outer, dd_layout.outer, rowt_layout.outer,
+                    ddt_layout.outer, SharedStorage).launch(
+            grid=[B * T, 1, 1], block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(),
+            min_blocks_per_mp=1, stream=stream)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mIdx: cute.Tensor,
+               mLen: cute.Tensor, mTarget: cute.Tensor, mG: cute.Tensor, mDQ: cute.Tensor,
+               mDW: cute.Tensor, mDK: cute.Tensor, T: cutlass.Int32, Hi: cutlass.Int32,
+               S: cutlass.Int32, K: cutlass.Int32, scale: cutlass.Float32, swz: cute.Swizzle,
+               row_layout: cute.Layout, dd_layout: cute.Layout, rowt_layout: cute.Layout,
+               ddt_layout: cute.Layout, SharedStorage: cutlass.Constexpr):
+        dt = self.dtype
+        tidx, _, _ = cute.arch.thread_idx()
+        bt32, _, _ = cute.arch.block_idx()
+        bt = cutlass.Int64(bt32)
+        b = bt32 // T
+        lane = tidx % 32
+        warp = tidx // 32
+        k_eff = cutlass.min(K, cutlass.max(mLen[bt], 0))
+        n_blocks = (k_eff + BN - 1) // BN
+        idx_base = bt * cutlass.Int64(K)
+        k_batch = cutlass.Int64(b) * cutlass.Int64(S)
+        g = mG[bt]
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sScore = storage.sScore.get_tensor(cute.make_layout(KMAX))
+        sPart = storage.sPart.get_tensor(cute.make_layout(4 * BN))
+        sRed = storage.sRed.get_tensor(cute.make_layout(8))
+        sRow = storage.sRow.get_tensor(cute.make_layout(2 * BN))
+        q_sw = cute.recast_ptr(storage.sQ.data_ptr(), swizzle_=swz)
+        k_sw = cute.recast_ptr(storage.sK.data_ptr(), swizzle_=swz)
+        dd_sw = cute.recast_ptr(storage.sDD.data_ptr(), swizzle_=swz)
+        k_smem = storage.sK.data_ptr().toint()
+
+        # ---- Q's head rows (rows >= Hi: zeros, nothing read) ----
+        row = tidx // TPR
+        sub = tidx % TPR
+        q_addr = mQ.iterator.toint()
+        q_smem = storage.sQ.data_ptr().toint()
+        for p in cutlass.range_constexpr(BM // ROWS_PER_PASS):
+            r = row + ROWS_PER_PASS * p
+            ok = r < Hi
+            src = q_addr + ((bt * cutlass.Int64(Hi) + cutlass.Int64(r)) * cutlass.Int64(D)
+                            + cutlass.Int64(8 * sub)) * 2
+            for i in cutlass.range_constexpr(self.chunks // TPR):
+                cp_async_16_zfill(q_smem + sw128_offset(BM, r, sub + TPR * i),
+                                  src + 16 * TPR * i if ok else q_addr,
+                                  cutlass.Int32(16) if ok else cutlass.Int32(0))
+        cute.arch.cp_async_commit_group()
+
+        thr_s = self._mma("s").get_slice(tidx)
+        tScS = acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((BM, BN))))
+        nc = cute.size(tScS, mode=[1])
+        # this thread's two head rows: w (0 above Hi)
+        w_r = cute.make_rmem_tensor(2, cutlass.Float32)
+        for r in cutlass.range_constexpr(2):
+            h = tScS[r, 0][0]
+            v = cutlass.Float32(0.0)
+            if h < Hi:
+                v = mW[bt * cutlass.Int64(Hi) + cutlass.Int64(h)]
+            w_r[r] = v
+        k_addr = mK.iterator.toint()
+
+        # ---- pass 1: the scores of the valid entries ----
+        if n_blocks > 0:
+            self._gather(mIdx, k_addr, k_smem, sRow, 0, 0, k_eff, idx_base, k_batch, S, row,
+                         sub)
+        cute.arch.cp_async_commit_group()
+        for blk in cutlass.range(n_blocks, unroll=1):
+            st = blk % 2
+            acc = self._scores_block(mIdx, k_addr, k_smem, sRow, blk, n_blocks, k_eff,
+                                     idx_base, k_batch, S, row, sub, q_sw, k_sw, row_layout,
+                                     tidx)
+            S_mn = acc_mn_view(acc)
+            for c in cutlass.range_constexpr(nc):
+                col = tScS[0, c][1]
+                v = (cute.arch.fmax(S_mn[0, c] * scale, 0.0) * w_r[0]
+                     + cute.arch.fmax(S_mn[1, c] * scale, 0.0) * w_r[1])
+                for m in (4, 8, 16):
+                    v = v + cute.arch.shuffle_sync_bfly(v, offset=m)
+                if lane < 4:
+                    sPart[warp * BN + col] = v
+            cute.arch.barrier()
+            if tidx < BN:
+                tot = (sPart[tidx] + sPart[BN + tidx]) + (sPart[2 * BN + tidx]
+                                                          + sPart[3 * BN + tidx])
+                sScore[blk * BN + tidx] = cutlass.Float32(cutlass.select_(
+                    sRow[st * BN + tidx] >= 0, tot, -cutlass.Float32.inf))
+            cute.arch.barrier()  # sPart, the stage and sRow are free again
+        cute.arch.cp_async_wait_group(0)
+
+        # ---- the softmax over the row and dscore, in place ----
+        n_pad = n_blocks * BN
+        m = -cutlass.Float32.inf
+        for j in cutlass.range(tidx, n_pad, THREADS, unroll=1):
+            m = cute.arch.fmax(m, sScore[j])
+        m = self._block_reduce(m, sRed, True)
+        m = cutlass.Float32(cutlass.select_(m == -cutlass.Float32.inf, cutlass.Float32(0.0),
+                                            m))
+        z = cutlass.Float32(0.0)
+        tsum = cutlass.Float32(0.0)
+        for j in cutlass.range(tidx, n_pad, THREADS, unroll=1):
+            sc = sScore[j]
+            ok = sc > -cutlass.Float32.inf
+            e = cute.math.exp2((sc - m) * LOG2_E, fastmath=True)
+            z = z + cutlass.Float32(cutlass.select_(ok, e, cutlass.Float32(0.0)))
+            if ok:  # (slots past the list: nothing read)
+                tsum = tsum + mTarget[idx_base + cutlass.Int64(j)]
+        z = self._block_reduce(z, sRed, False)
+        tsum = self._block_reduce(tsum, sRed, False)
+        inv_z = cutlass.Float32(cutlass.select_(z > 0.0, 1.0 / z, cutlass.Float32(0.0)))
+        for j in cutlass.range(tidx, n_pad, THREADS, unroll=1):
+            sc = sScore[j]
+            ok = sc > -cutlass.Float32.inf
+            ds = cutlass.Float32(0.0)
+            if ok:
+                p = cute.math.exp2((sc - m) * LOG2_E, fastmath=True) * inv_z
+                ds = g * (p * tsum - mTarget[idx_base + cutlass.Int64(j)])
+            sScore[j] = ds
+        cute.arch.barrier()
+
+        # ---- pass 2: dw, dq and dk ----
+        thr_dq = self._mma("dq").get_slice(tidx)
+        thr_dk = self._mma("dk").get_slice(tidx)
+        sDDhi = cute.make_tensor(dd_sw, dd_layout)
+        sDDlo = cute.make_tensor(dd_sw + cute.assume(BM * BN, divby=4096), dd_layout)
+        acc_dq = thr_dq.make_fragment_C(thr_dq.partition_shape_C((BM, D)))
+        acc_dq.fill(0.0)
+        r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt),
+                                     self._mma("s")).get_slice(tidx)
+        tCcK = acc_mn_view(thr_dk.partition_C(cute.make_identity_tensor((BN, D))))
+        dw_acc = cute.make_rmem_tensor(2, cutlass.Float32)
+        dw_acc.fill(0.0)
+        dk_addr = mDK.iterator.toint()
+
+        if n_blocks > 0:
+            self._gather(mIdx, k_addr, k_smem, sRow, 0, 0, k_eff, idx_base, k_batch, S, row,
+                         sub)
+        cute.arch.cp_async_commit_group()
+        for blk in cutlass.range(n_blocks, unroll=1):
+            st = blk % 2
+            acc = self._scores_block(mIdx, k_addr, k_smem, sRow, blk, n_blocks, k_eff,
+                                     idx_base, k_batch, S, row, sub, q_sw, k_sw, row_layout,
+                                     tidx)
+            S_mn = acc_mn_view(acc)
+            for c in cutlass.range_constexpr(nc):
+                ds = sScore[blk * BN + tScS[0, c][1]]
+                for r in cutlass.range_constexpr(2):
+                    a = S_mn[r, c] * scale
+                    dw_acc[r] = dw_acc[r] + ds * cute.arch.fmax(a, 0.0)
+                    S_mn[r, c] = cutlass.Float32(cutlass.select_(
+                        a > 0.0, scale * ds * w_r[r], cutlass.Float32(0.0)))
+            r_hi = cute.make_fragment_like(acc, dt)
+            r_hi.store(acc.load().to(dt))
+            r_lo = cute.make_fragment_like(acc, dt)
+            r_lo.store((acc.load() - r_hi.load().to(cutlass.Float32)).to(dt))
+            cute.copy(r2s, r2s.retile(r_hi), r2s.partition_D(sDDhi))
+            cute.copy(r2s, r2s.retile(r_lo), r2s.partition_D(sDDlo))
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier()
+
+            # dq += dd K_blk; drow = dd^T Q (tiled MMAs of this iteration: their accumulate
+            # flags are set inside the loop)
+            dq_mma = self._mma("dq")
+            dk_mma = self._mma("dk")
+            tq = dq_mma.get_slice(tidx)
+            tk = dk_mma.get_slice(tidx)
+            tQrDDhi = tq.make_fragment_A(tq.partition_A(sDDhi))
+            tQrDDlo = tq.make_fragment_A(tq.partition_A(sDDlo))
+            sKt = cute.make_tensor(k_sw + cute.assume(st * (BN * D), divby=4096), rowt_layout)
+            tQrK = tq.make_fragment_B(tq.partition_B(sKt))
+            tKrDDhi = tk.make_fragment_A(tk.partition_A(cute.make_tensor(dd_sw, ddt_layout)))
+            tKrDDlo = tk.make_fragment_A(tk.partition_A(cute.make_tensor(
+                dd_sw + cute.assume(BM * BN, divby=4096), ddt_layout)))
+            tKrQ = tk.make_fragment_B(tk.partition_B(cute.make_tensor(q_sw, rowt_layout)))
+            acc_dk = tk.make_fragment_C(tk.partition_shape_C((BN, D)))
+            warpgroup.fence()
+            dq_mma.set(warpgroup.Field.ACCUMULATE, True)
+            for kk in cutlass.range_constexpr(BN // 16):
+                cute.gemm(dq_mma, acc_dq, tQrDDhi[None, None, kk], tQrK[None, None, kk], acc_dq)
+            for kk in cutlass.range_constexpr(BN // 16):
+                cute.gemm(dq_mma, acc_dq, tQrDDlo[None, None, kk], tQrK[None, None, kk], acc_dq)
+            for kk in cutlass.range_constexpr(BM // 16):
+                dk_mma.set(warpgroup.Field.ACCUMULATE, kk != 0)
+                cute.gemm(dk_mma, acc_dk, tKrDDhi[None, None, kk], tKrQ[None, None, kk], acc_dk)
+            dk_mma.set(warpgroup.Field.ACCUMULATE, True)
+            for kk in cutlass.range_constexpr(BM // 16):
+                cute.gemm(dk_mma, acc_dk, tKrDDlo[None, None, kk], tKrQ[None, None, kk], acc_dk)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+            # dk[idx_j] += drow_j (two columns per RED; never at an invalid entry)
+            K_mn = acc_mn_view(acc_dk)
+            for r in cutlass.range_constexpr(cute.size(tCcK, mode=[0])):
+                entry = sRow[st * BN + tCcK[r, 0][0]]
+                ok = entry >= 0
+                base = dk_addr + ((k_batch + cutlass.Int64(cutlass.select_(
+                    ok, entry, cutlass.Int32(0)))) * cutlass.Int64(D)) * 4
+                for c in cutlass.range_constexpr(cute.size(tCcK, mode=[1]) // 2):
+                    col = tCcK[r, 2 * c][1]
+                    red_add_v2_f32_if(cutlass.Int32(ok), base + cutlass.Int64(col) * 4,
+                                      K_mn[r, 2 * c], K_mn[r, 2 * c + 1])
+            cute.arch.barrier()  # the dd tiles, the stage and sRow are free again
+        cute.arch.cp_async_wait_group(0)
+
+        # ---- dw (the quad's four partial sums) and dq ----
+        for r in cutlass.range_constexpr(2):
+            v = dw_acc[r]
+            v = v + cute.arch.shuffle_sync_bfly(v, offset=2)
+            v = v + cute.arch.shuffle_sync_bfly(v, offset=1)
+            h = tScS[r, 0][0]
+            if tidx % 4 == 0 and h < Hi:
+                mDW[bt * cutlass.Int64(Hi) + cutlass.Int64(h)] = v
+        tCcQ = acc_mn_view(thr_dq.partition_C(cute.make_identity_tensor((BM, D))))
+        Q_mn = acc_mn_view(acc_dq)
+        for r in cutlass.range_constexpr(cute.size(tCcQ, mode=[0])):
+            h = tCcQ[r, 0][0]
+            if h < Hi:
+                out = (bt * cutlass.Int64(Hi) + cutlass.Int64(h)) * cutlass.Int64(D)
+                for c in cutlass.range_constexpr(cute.size(tCcQ, mode=[1])):
+                    mDQ[out + cutlass.Int64(tCcQ[r, c][1])] = Q_mn[r, c]
+
+    @cute.jit
+    def _scores_block(self, mIdx: cute.Tensor, k_addr: cutlass.Int64, k_smem: cutlass.Int32,
+                      sRow: cute.Tensor, blk, n_blocks, k_eff: cutlass.Int32,
+                      idx_base: cutlass.Int64, k_batch: cutlass.Int64, S: cutlass.Int32, row,
+                      sub, q_sw, k_sw, row_layout: cute.Layout, tidx):
+        """Block blk's S = Q K^T (fp32, unscaled) once its rows have landed, with block
+        blk + 1's gather issued first into the other stage."""
+        st = blk % 2
+        if blk + 1 < n_blocks:
+            self._gather(mIdx, k_addr, k_smem, sRow, blk + 1, 1 - st, k_eff, idx_base, k_batch,
+                         S, row, sub)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(1)  # this thread's copies of block blk (and Q)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier()
+        s_mma = self._mma("s")  # its own: the accumulate flag is set inside a staged loop
+        thr_s = s_mma.get_slice(tidx)
+        tSrQ = thr_s.make_fragment_A(thr_s.partition_A(cute.make_tensor(q_sw, row_layout)))
+        sKb = cute.make_tensor(k_sw + cute.assume(st * (BN * D), divby=4096), row_layout)
+        tSrK = thr_s.make_fragment_B(thr_s.partition_B(sKb))
+        acc = thr_s.make_fragment_C(thr_s.partition_shape_C((BM, BN)))
+        warpgroup.fence()
+        for kk in cutlass.range_constexpr(D // 16):
+            s_mma.set(warpgroup.Field.ACCUMULATE, kk != 0)
+            cute.gemm(s_mma, acc, tSrQ[None, None, kk], tSrK[None, None, kk], acc)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        return acc
+
+    def _mma(self, which: str):
+        """The tiled MMAs: "s" S = Q K^T (64 x 64, both K-major), "dq" dd K_blk (64 x 128,
+        B MN-major), "dk" dd^T Q (64 x 128, both MN-major)."""
+        K_, MN_ = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        a, b, n = {"s": (K_, K_, BN), "dq": (K_, MN_, D), "dk": (MN_, MN_, D)}[which]
+        return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, a, b, cutlass.Float32,
+                                                 (1, 1, 1), (BM, n))
+
+    @cute.jit
+    def _gather(self, mIdx: cute.Tensor, k_addr: cutlass.Int64, k_smem: cutlass.Int32,
+                sRow: cute.Tensor, blk, st, k_eff: cutlass.Int32, idx_base: cutlass.Int64,
+                k_batch: cutlass.Int64, S: cutlass.Int32, row, sub):
+        """Block blk's 64 rows of k into ring stage st (rows row + 16 p, chunks sub + 8 i);
+        an invalid entry is a zero-filled row (nothing read) and sRow -1."""
+        base = k_smem + st * TILE_BYTES
+        for p in cutlass.range_constexpr(PASSES):
+            r = row + ROWS_PER_PASS * p
+            j = blk * BN + r
+            entry = cutlass.Int32(-1)
+            if j < k_eff:
+                entry = mIdx[idx_base + cutlass.Int64(j)]
+            ok = entry >= 0 and entry < S
+            if sub == 0:
+                sRow[st * BN + r] = entry if ok else cutlass.Int32(-1)
+            src, nbytes = gather_source(k_addr, k_batch, entry, ok, D * 2,
+                                        cutlass.Int64(sub * 16))
+            for i in cutlass.range_constexpr(self.chunks // TPR):
+                cp_async_16_zfill(base + sw128_offset(BN, r, sub + TPR * i), src, nbytes, 0,
+                                  16 * TPR * i)
+
+    @cute.jit
+    def _block_reduce(self, v, sRed: cute.Tensor, is_max: cutlass.Constexpr):
+        """max (is_max) or sum of v over the CTA's 128 threads, returned to every thread."""
+        for m in (16, 8, 4, 2, 1):
+            o = cute.arch.shuffle_sync_bfly(v, offset=m)
+            if cutlass.const_expr(is_max):
+                v = cute.arch.fmax(v, o)
+            else:
+                v = v + o
+        tidx, _, _ = cute.arch.thread_idx()
+        cute.arch.barrier()  # the previous reduction's readers are done with sRed
+        if tidx % 32 == 0:
+            sRed[tidx // 32] = v
+        cute.arch.barrier()
+        if cutlass.const_expr(is_max):
+            v = cute.arch.fmax(cute.arch.fmax(sRed[0], sRed[1]), cute.arch.fmax(sRed[2], sRed[3]))
+        else:
+            v = (sRed[0] + sRed[1]) + (sRed[2] + sRed[3])
+        return v
+
+
+def fake_args(dtype):
+    """q (B*T*Hi, 128), k (B*S, 128), w (B*T*Hi,) f32, idx (B*T*K,), topk_length (B*T,),
+    target (B*T*K,) f32, g (B*T,) f32, dq (B*T*Hi*128,) f32, dw (B*T*Hi,) f32, dk (B*S, 128)
+    f32, then B, T, Hi, S, K, scale and the stream."""
+    rows_q, rows_k, n_idx, n_tok, n_dq = (cute.sym_int64() for _ in range(5))
+    i32 = cutlass.Int32(1)
+    f32 = cutlass.Float32
+    return (
+        make_fake_compact_tensor(dtype, (rows_q, D), stride_order=(1, 0), assumed_align=16),
+        make_fake_compact_tensor(dtype, (rows_k, D), stride_order=(1, 0), assumed_align=16),
+        make_fake_compact_tensor(f32, (rows_q,), assumed_align=4),
+        make_fake_compact_tensor(cutlass.Int32, (n_idx,), assumed_align=4),
+        make_fake_compact_tensor(cutlass.Int32, (n_tok,), assumed_align=4),
+        make_fake_compact_tensor(f32, (n_idx,), assumed_align=4),
+        make_fake_compact_tensor(f32, (n_tok,), assumed_align=4),
+        make_fake_compact_tensor(f32, (n_dq,), assumed_align=16),
+        make_fake_compact_tensor(f32, (rows_q,), assumed_align=4),
+        make_fake_compact_tensor(f32, (rows_k, D), stride_order=(1, 0), assumed_align=16),
+        i32, i32, i32, i32, i32, cutlass.Float32(1.0), make_fake_stream(),
+    )
+
+
+def compile_indexer_loss_bwd(dtype):
+    """Compile with shape-only tensors (fake_args)."""
+    return cute.compile(IndexerLossBwdSm90(dtype), *fake_args(dtype))

@@ -1,0 +1,76 @@
+"""The Hopper indexer-loss backward kernel (jax_dsa.cute.indexer_loss,
+ffi/kernels/sm90/indexer_loss_bwd.py) against the float64 oracle (GPU only)."""
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+
+from cases import rel_err
+from oracle import indexer_loss_grads
+
+pytestmark = pytest.mark.gpu
+
+
+def _kernel_or_skip():
+    from jax_dsa.cute import indexer_loss
+    problem = indexer_loss.shape_problem(jnp.zeros((1, 1, 1, 128), jnp.bfloat16),
+                                         jnp.zeros((1, 1, 128), jnp.bfloat16),
+                                         jnp.zeros((1, 1, 1), jnp.int32))
+    if problem:
+        pytest.skip(problem)
+
+
+def _problem(rng, b, t, h, s, k, dtype):
+    q = np.asarray(jnp.asarray(rng.standard_normal((b, t, h, 128)), dtype).astype(jnp.float32))
+    kk = np.asarray(jnp.asarray(rng.standard_normal((b, s, 128)), dtype).astype(jnp.float32))
+    w = rng.standard_normal((b, t, h)).astype(np.float32)
+    idx = rng.integers(-3, s + 3, (b, t, k)).astype(np.int32)  # some invalid on both sides
+    if k > 1:
+        idx[..., 1] = idx[..., 0]  # a duplicate: its dk row gets both contributions
+    idx[0, 0] = -1  # a dead token
+    lengths = rng.integers(0, k + 1, (b, t)).astype(np.int32)
+    lengths.flat[-1] = k
+    target = rng.random((b, t, k)).astype(np.float32)
+    target[..., 2:5] = 0.0  # zero targets
+    target /= target.sum(-1, keepdims=True)
+    g = rng.standard_normal((b, t)).astype(np.float32)
+    return q, kk, w, idx, lengths, target, g
+
+
+# (B, T, Hi, S, K, scale): Hi below / at 64, K below / above / not a multiple of the 64-entry
+# block, lists longer than S, a negative scale, the largest K.
+CASES = [
+    (1, 4, 1, 50, 37, 1.0),
+    (2, 5, 16, 300, 130, 128 ** -0.5),
+    (1, 6, 48, 1000, 64, -0.3),
+    (1, 3, 64, 5000, 2048, 128 ** -0.5),
+    (1, 2, 64, 100, 4096, 0.1),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}H{}S{}K{}".format(*c[:5]))
+def test_indexer_loss_kernel_matches_the_oracle(case, dtype):
+    _kernel_or_skip()
+    from jax_dsa.cute import indexer_loss
+    b, t, h, s, k, scale = case
+    q, kk, w, idx, lengths, target, g = _problem(np.random.default_rng(h + k), b, t, h, s, k,
+                                                 dtype)
+    dq, dk, dw = indexer_loss.backward(jnp.asarray(q, dtype), jnp.asarray(kk, dtype),
+                                       jnp.asarray(w), jnp.asarray(idx), jnp.asarray(lengths),
+                                       jnp.asarray(target), jnp.asarray(g), scale)
+    want_dq, want_dk, want_dw = indexer_loss_grads(q, kk, w, idx, lengths, target, g, scale)
+    # dq, dk in the inputs' dtype: one rounding of an fp32-accurate result
+    tol = 1e-2 if dtype == jnp.bfloat16 else 2e-3
+    assert rel_err(dq, want_dq) < tol, rel_err(dq, want_dq)
+    assert rel_err(dk, want_dk) < tol, rel_err(dk, want_dk)
+    assert rel_err(dw, want_dw) < 1e-3, rel_err(dw, want_dw)
+    np.testing.assert_array_equal(np.asarray(dq)[0, 0], 0)  # the dead token
+    np.testing.assert_array_equal(np.asarray(dw)[0, 0], 0)
+    listed = np.zeros((b, s), bool)  # rows of k no valid entry points at: exactly 0
+    for bi in range(b):
+        for ti in range(t):
+            for j in range(lengths[bi, ti]):
+                if 0 <= idx[bi, ti, j] < s:
+                    listed[bi, idx[bi, ti, j]] = True
+    np.testing.assert_array_equal(np.asarray(dk, np.float32)[~listed], 0)
