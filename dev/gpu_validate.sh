@@ -50,7 +50,7 @@ for step in "${steps[@]}"; do
       rc=$?
       grep -v "^|" "$out/bench_indexer.log" | tail -8 ;;
     bench-layer)  # one V4 layer's training step, piece by piece, kernels and reference
-      timeout 400 python3 examples/benchmark_layer.py --impls cute,xla > "$out/bench_layer.log" 2>&1
+      timeout 500 python3 examples/benchmark_layer.py --impls cute,cute-train,xla > "$out/bench_layer.log" 2>&1
       rc=$?
       tail -16 "$out/bench_layer.log" ;;
     train-compare)  # the DSA layer at the kernels' shapes, trained on the kernels and the reference
