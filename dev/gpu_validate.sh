@@ -3,6 +3,7 @@
 #
 #   bash dev/gpu_validate.sh [tests-fwd] [tests-bwd] [tests-rest] [memcheck] [bench]
 #                            [bench-indexer] [bench-decode] [bench-layer] [train-compare]
+#                            [wgmma-ceiling]
 #                            [profile] [hotlines]
 #                                                                         (default: all tests)
 #
@@ -60,6 +61,10 @@ for step in "${steps[@]}"; do
           --steps 200 --warmup 60 > "$out/train_compare_$style.log" 2>&1 || rc=$?
         tail -3 "$out/train_compare_$style.log"
       done ;;
+    wgmma-ceiling)  # bare wgmma throughput per shape (the score kernel's ceiling)
+      timeout 120 python3 dev/wgmma_ceiling.py --out "$out/wgmma" > "$out/wgmma_ceiling.log" 2>&1
+      rc=$?
+      grep "TFLOP" "$out/wgmma_ceiling.log" ;;
     bench-decode)
       timeout 200 python3 dev/bench_decode.py > "$out/bench_decode.log" 2>&1
       rc=$?
