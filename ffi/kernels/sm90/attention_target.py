@@ -35,14 +35,11 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 import cuda.bindings.driver as cuda
 
-from .common import LOG2_E, acc_mn_view, cp_async_16_zfill, gather_source, sw128_offset
+from .common import (LOG2_E, ROW_COPY_THREADS as THREADS, ROW_COPY_TPR as TPR, acc_mn_view,
+                     gather_rows_sw128, load_rows_sw128)
 
 BM = 64  # heads per CTA
 BN = 64  # entries per block
-THREADS = 128
-TPR = 8  # gather threads per row: 128 contiguous bytes per row and instruction
-ROWS_PER_PASS = THREADS // TPR  # 16
-PASSES = BN // ROWS_PER_PASS  # 4 rows per gather thread
 
 
 class AttentionTargetSm90:
@@ -50,7 +47,6 @@ class AttentionTargetSm90:
         assert d_qk in (512, 576)
         self.dtype = dtype
         self.d_qk = d_qk
-        self.chunks = d_qk // 8  # 16-byte chunks per row
         self.tile_bytes = BM * d_qk * 2  # one 64-row tile (Q, or one ring stage)
 
     @cute.jit
@@ -67,7 +63,7 @@ class AttentionTargetSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, BM * self.d_qk], 1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, 2 * BN * self.d_qk], 1024]
             sPart: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * BN], 16]
-            sValid: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * BN], 16]
+            sRow: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * BN], 16]
 
         mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
@@ -102,7 +98,7 @@ class AttentionTargetSm90:
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         sPart = storage.sPart.get_tensor(cute.make_layout(4 * BN))
-        sValid = storage.sValid.get_tensor(cute.make_layout(2 * BN))
+        sRow = storage.sRow.get_tensor(cute.make_layout(2 * BN))
         q_smem = storage.sQ.data_ptr().toint()
         kv_smem = storage.sKV.data_ptr().toint()
 
@@ -113,17 +109,8 @@ class AttentionTargetSm90:
         # ---- Q's 64 head rows (heads >= H: zeros, nothing read) ----
         row = tidx // TPR
         sub = tidx % TPR
-        q_addr = mQ.iterator.toint()
-        for p in cutlass.range_constexpr(BM // ROWS_PER_PASS):
-            r = row + ROWS_PER_PASS * p
-            ok = h0 + r < H
-            src = q_addr + ((bt * cutlass.Int64(H) + cutlass.Int64(h0 + r)) * cutlass.Int64(
-                self.d_qk) + cutlass.Int64(8 * sub)) * 2
-            for i in cutlass.range_constexpr(self.chunks // TPR):
-                ch = sub + TPR * i
-                cp_async_16_zfill(q_smem + sw128_offset(BM, r, ch),
-                                  src + 16 * TPR * i if ok else q_addr,
-                                  cutlass.Int32(16) if ok else cutlass.Int32(0))
+        load_rows_sw128(mQ.iterator.toint(), bt * cutlass.Int64(H) + cutlass.Int64(h0), H - h0,
+                        q_smem, row, sub, BM, self.d_qk * 2)
 
         # ---- this thread's two head rows: off in log2 units (+inf: dead or padded head) ----
         thr = mma.get_slice(tidx)
@@ -139,8 +126,8 @@ class AttentionTargetSm90:
 
         kv_addr = mKV.iterator.toint()
         if n_blocks > 0:
-            self._gather(mIdx, kv_addr, kv_smem, sValid, 0, 0, k_eff, idx_base, kv_batch, S,
-                         row, sub)
+            gather_rows_sw128(mIdx, kv_addr, kv_smem, sRow, 0, 0, k_eff, idx_base, kv_batch, S,
+                              row, sub, BN, self.d_qk * 2)
         cute.arch.cp_async_commit_group()
 
         sQ = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(), swizzle_=swz), tile_layout)
@@ -154,8 +141,9 @@ class AttentionTargetSm90:
             # Block blk + 1's gather into the other stage (read by block blk - 1's GEMM, which
             # every warp has waited for before the previous iteration's last barrier).
             if blk + 1 < n_blocks:
-                self._gather(mIdx, kv_addr, kv_smem, sValid, blk + 1, 1 - st, k_eff, idx_base,
-                             kv_batch, S, row, sub)
+                gather_rows_sw128(mIdx, kv_addr, kv_smem + (1 - st) * self.tile_bytes, sRow,
+                                  1 - st, blk + 1, k_eff, idx_base, kv_batch, S, row, sub, BN,
+                                  self.d_qk * 2)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(1)  # this thread's copies of block blk (and Q)
             # cp.async writes (generic proxy) -> wgmma reads (async proxy), then all threads'.
@@ -178,7 +166,7 @@ class AttentionTargetSm90:
                 col = tScS[0, c][1]
                 a = cute.math.exp2(S_mn[0, c] * scale_log2 - off_r[0], fastmath=True)
                 a = a + cute.math.exp2(S_mn[1, c] * scale_log2 - off_r[1], fastmath=True)
-                a = cutlass.select_(sValid[st * BN + col] != 0, a, cutlass.Float32(0.0))
+                a = cutlass.select_(sRow[st * BN + col] >= 0, a, cutlass.Float32(0.0))
                 for m in (4, 8, 16):
                     a = a + cute.arch.shuffle_sync_bfly(a, offset=m)
                 if lane < 4:
@@ -191,30 +179,6 @@ class AttentionTargetSm90:
                 if j < K:
                     mMass[mass_base + cutlass.Int64(j)] = tot
         cute.arch.cp_async_wait_group(0)
-
-    @cute.jit
-    def _gather(self, mIdx: cute.Tensor, kv_addr: cutlass.Int64, kv_smem: cutlass.Int32,
-                sValid: cute.Tensor, blk, st, k_eff: cutlass.Int32, idx_base: cutlass.Int64,
-                kv_batch: cutlass.Int64, S: cutlass.Int32, row, sub):
-        """Block blk's 64 rows into ring stage st: rows row + 16 p, chunks sub + 8 i of each;
-        an invalid entry is a zero-filled row (nothing read) and sValid 0."""
-        base = kv_smem + st * self.tile_bytes
-        for p in cutlass.range_constexpr(PASSES):
-            r = row + ROWS_PER_PASS * p
-            j = blk * BN + r
-            entry = cutlass.Int32(-1)
-            if j < k_eff:
-                entry = mIdx[idx_base + cutlass.Int64(j)]
-            ok = entry >= 0 and entry < S
-            if sub == 0:
-                sValid[st * BN + r] = cutlass.Int32(1) if ok else cutlass.Int32(0)
-            src, nbytes = gather_source(kv_addr, kv_batch, entry, ok, self.d_qk * 2,
-                                        cutlass.Int64(sub * 16))
-            for i in cutlass.range_constexpr(self.chunks // TPR):
-                ch = sub + TPR * i
-                cp_async_16_zfill(base + sw128_offset(BN, r, ch), src, nbytes, 0,
-                                  16 * TPR * i)
-
 
 def fake_args(dtype, d_qk: int):
     """q (B*T*H, Dqk), kv (B*S, Dqk), idx (B*T*K,), topk_length (B*T,), off (B*T*H,) f32,

@@ -127,6 +127,55 @@ def gather_source(kv_addr: cutlass.Int64, kv_batch: cutlass.Int64, row: cutlass.
     return (g if ok else kv_addr), (cutlass.Int32(16) if ok else cutlass.Int32(0))
 
 
+# Row copies of 128 threads, 8 per row (16-byte chunks sub + 8 i of rows row + 16 p, with
+# row = thread // 8 and sub = thread % 8), into K-major 128 B-swizzled tiles.
+ROW_COPY_THREADS = 128
+ROW_COPY_TPR = 8
+
+
+@cute.jit
+def load_rows_sw128(src_addr: cutlass.Int64, first_row: cutlass.Int64, n_valid: cutlass.Int32,
+                    dst: cutlass.Int32, row, sub, rows: cutlass.Constexpr,
+                    row_bytes: cutlass.Constexpr):
+    """Rows [first_row, first_row + rows) of a row-major array at src_addr into the tile at
+    shared address dst; tile rows >= n_valid are zeros (nothing read)."""
+    per_pass = ROW_COPY_THREADS // ROW_COPY_TPR
+    for p in cutlass.range_constexpr(rows // per_pass):
+        r = row + per_pass * p
+        ok = r < n_valid
+        src = src_addr + (first_row + cutlass.Int64(r)) * row_bytes + cutlass.Int64(16 * sub)
+        for i in cutlass.range_constexpr(row_bytes // 16 // ROW_COPY_TPR):
+            cp_async_16_zfill(dst + sw128_offset(rows, r, sub + ROW_COPY_TPR * i),
+                              src + 16 * ROW_COPY_TPR * i if ok else src_addr,
+                              cutlass.Int32(16) if ok else cutlass.Int32(0))
+
+
+@cute.jit
+def gather_rows_sw128(mIdx: cute.Tensor, src_addr: cutlass.Int64, dst: cutlass.Int32,
+                      sRow: cute.Tensor, slot, blk, k_eff: cutlass.Int32,
+                      idx_base: cutlass.Int64, batch_rows: cutlass.Int64, S: cutlass.Int32,
+                      row, sub, bn: cutlass.Constexpr, row_bytes: cutlass.Constexpr):
+    """Block blk of a token's list (entries blk * bn + r, the list at mIdx[idx_base:]) into the
+    bn-row tile at shared address dst: the rows of the array at src_addr (batch_rows rows before
+    this batch's); an invalid entry (at or past k_eff, < 0 or >= S) is a zero row that reads
+    nothing. sRow[slot * bn + r] gets the entry, or -1 if invalid."""
+    per_pass = ROW_COPY_THREADS // ROW_COPY_TPR
+    for p in cutlass.range_constexpr(bn // per_pass):
+        r = row + per_pass * p
+        j = blk * bn + r
+        entry = cutlass.Int32(-1)
+        if j < k_eff:
+            entry = mIdx[idx_base + cutlass.Int64(j)]
+        ok = entry >= 0 and entry < S
+        if sub == 0:
+            sRow[slot * bn + r] = entry if ok else cutlass.Int32(-1)
+        src, nbytes = gather_source(src_addr, batch_rows, entry, ok, row_bytes,
+                                    cutlass.Int64(sub * 16))
+        for i in cutlass.range_constexpr(row_bytes // 16 // ROW_COPY_TPR):
+            cp_async_16_zfill(dst + sw128_offset(bn, r, sub + ROW_COPY_TPR * i), src, nbytes, 0,
+                              16 * ROW_COPY_TPR * i)
+
+
 def _ir(x, loc, ip):
     """A pointer's address (toint), or an Int32 / Float32 value, as an MLIR value."""
     if hasattr(x, "toint"):

@@ -42,22 +42,17 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 import cuda.bindings.driver as cuda
 
 from jax_dsa.cute.constants import INDEXER_DIM as D, INDEXER_LOSS_MAX_K as KMAX
-from .common import (LOG2_E, acc_mn_view, cp_async_16_zfill, gather_source,
-                     red_add_v2_f32_if, sw128_offset)
+from .common import (LOG2_E, ROW_COPY_THREADS as THREADS, ROW_COPY_TPR as TPR, acc_mn_view,
+                     gather_rows_sw128, load_rows_sw128, red_add_v2_f32_if)
 
 BM = 64  # head rows (Hi <= 64, padded)
 BN = 64  # entries per block
-THREADS = 128
-TPR = 8  # gather threads per row
-ROWS_PER_PASS = THREADS // TPR  # 16
-PASSES = BN // ROWS_PER_PASS  # 4
 TILE_BYTES = BN * D * 2  # one 64-row tile of k (or of Q): 16 KB
 
 
 class IndexerLossBwdSm90:
     def __init__(self, dtype):
         self.dtype = dtype
-        self.chunks = D // 8  # 16-byte chunks per row (16)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mIdx: cute.Tensor,
@@ -125,17 +120,8 @@ class IndexerLossBwdSm90:
         # ---- Q's head rows (rows >= Hi: zeros, nothing read) ----
         row = tidx // TPR
         sub = tidx % TPR
-        q_addr = mQ.iterator.toint()
-        q_smem = storage.sQ.data_ptr().toint()
-        for p in cutlass.range_constexpr(BM // ROWS_PER_PASS):
-            r = row + ROWS_PER_PASS * p
-            ok = r < Hi
-            src = q_addr + ((bt * cutlass.Int64(Hi) + cutlass.Int64(r)) * cutlass.Int64(D)
-                            + cutlass.Int64(8 * sub)) * 2
-            for i in cutlass.range_constexpr(self.chunks // TPR):
-                cp_async_16_zfill(q_smem + sw128_offset(BM, r, sub + TPR * i),
-                                  src + 16 * TPR * i if ok else q_addr,
-                                  cutlass.Int32(16) if ok else cutlass.Int32(0))
+        load_rows_sw128(mQ.iterator.toint(), bt * cutlass.Int64(Hi), Hi,
+                        storage.sQ.data_ptr().toint(), row, sub, BM, D * 2)
         cute.arch.cp_async_commit_group()
 
         thr_s = self._mma("s").get_slice(tidx)
@@ -153,8 +139,8 @@ class IndexerLossBwdSm90:
 
         # ---- pass 1: the scores of the valid entries ----
         if n_blocks > 0:
-            self._gather(mIdx, k_addr, k_smem, sRow, 0, 0, k_eff, idx_base, k_batch, S, row,
-                         sub)
+            gather_rows_sw128(mIdx, k_addr, k_smem, sRow, 0, 0, k_eff, idx_base, k_batch, S,
+                              row, sub, BN, D * 2)
         cute.arch.cp_async_commit_group()
         for blk in cutlass.range(n_blocks, unroll=1):
             st = blk % 2
@@ -224,8 +210,8 @@ class IndexerLossBwdSm90:
         dk_addr = mDK.iterator.toint()
 
         if n_blocks > 0:
-            self._gather(mIdx, k_addr, k_smem, sRow, 0, 0, k_eff, idx_base, k_batch, S, row,
-                         sub)
+            gather_rows_sw128(mIdx, k_addr, k_smem, sRow, 0, 0, k_eff, idx_base, k_batch, S,
+                              row, sub, BN, D * 2)
         cute.arch.cp_async_commit_group()
         for blk in cutlass.range(n_blocks, unroll=1):
             st = blk % 2
@@ -319,8 +305,8 @@ class IndexerLossBwdSm90:
         blk + 1's gather issued first into the other stage."""
         st = blk % 2
         if blk + 1 < n_blocks:
-            self._gather(mIdx, k_addr, k_smem, sRow, blk + 1, 1 - st, k_eff, idx_base, k_batch,
-                         S, row, sub)
+            gather_rows_sw128(mIdx, k_addr, k_smem + (1 - st) * TILE_BYTES, sRow, 1 - st,
+                              blk + 1, k_eff, idx_base, k_batch, S, row, sub, BN, D * 2)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(1)  # this thread's copies of block blk (and Q)
         cute.arch.fence_proxy("async.shared", space="cta")
@@ -346,28 +332,6 @@ class IndexerLossBwdSm90:
         a, b, n = {"s": (K_, K_, BN), "dq": (K_, MN_, D), "dk": (MN_, MN_, D)}[which]
         return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, a, b, cutlass.Float32,
                                                  (1, 1, 1), (BM, n))
-
-    @cute.jit
-    def _gather(self, mIdx: cute.Tensor, k_addr: cutlass.Int64, k_smem: cutlass.Int32,
-                sRow: cute.Tensor, blk, st, k_eff: cutlass.Int32, idx_base: cutlass.Int64,
-                k_batch: cutlass.Int64, S: cutlass.Int32, row, sub):
-        """Block blk's 64 rows of k into ring stage st (rows row + 16 p, chunks sub + 8 i);
-        an invalid entry is a zero-filled row (nothing read) and sRow -1."""
-        base = k_smem + st * TILE_BYTES
-        for p in cutlass.range_constexpr(PASSES):
-            r = row + ROWS_PER_PASS * p
-            j = blk * BN + r
-            entry = cutlass.Int32(-1)
-            if j < k_eff:
-                entry = mIdx[idx_base + cutlass.Int64(j)]
-            ok = entry >= 0 and entry < S
-            if sub == 0:
-                sRow[st * BN + r] = entry if ok else cutlass.Int32(-1)
-            src, nbytes = gather_source(k_addr, k_batch, entry, ok, D * 2,
-                                        cutlass.Int64(sub * 16))
-            for i in cutlass.range_constexpr(self.chunks // TPR):
-                cp_async_16_zfill(base + sw128_offset(BN, r, sub + TPR * i), src, nbytes, 0,
-                                  16 * TPR * i)
 
     @cute.jit
     def _block_reduce(self, v, sRed: cute.Tensor, is_max: cutlass.Constexpr):
