@@ -15,7 +15,7 @@ function timed on its own (wall clock of back-to-back calls, median of batches):
   step         all of it in one program: selection, forward, target, both losses' gradients
 
 Implementations: "cute" and "xla" as `implementation=` takes them; "cute-train" is "cute" with
-the attention target and the indexer loss's backward on their Hopper kernels
+the attention target and the indexer loss (KL and gradients) on their Hopper kernels
 (jax_dsa.cute.target / jax_dsa.cute.indexer_loss, not yet the defaults: see docs/design.md).
 --small runs CPU-sized shapes (T = 64, S = 1024) to check the script.
 """
@@ -75,12 +75,13 @@ def pieces(impl, topk, start):
     if train_kernels:
         from jax_dsa.cute import indexer_loss as kernel_loss
 
-        def index_grad(q_i, k_i, w_i, idx, tgt):  # the mean's gradients: g = 1 / live tokens
+        def index_grad(q_i, k_i, w_i, idx, tgt):  # the mean and its gradients
             live = jnp.any(idx >= 0, axis=-1)
             g = jnp.where(live, 1.0 / jnp.maximum(jnp.sum(live), 1), 0.0).astype(jnp.float32)
             lengths = jnp.full(idx.shape[:2], idx.shape[2], jnp.int32)
-            dq, dk, dw = kernel_loss.backward(q_i, k_i, w_i, idx, lengths, tgt, g, DI ** -0.5)
-            return dq, dk, dw
+            kl = kernel_loss.forward(q_i, k_i, w_i, idx, lengths, tgt, DI ** -0.5)
+            grads = kernel_loss.backward(q_i, k_i, w_i, idx, lengths, tgt, g, DI ** -0.5)
+            return jnp.sum(kl * g), grads
 
     def step(a):
         idx = select(a)

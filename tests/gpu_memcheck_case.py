@@ -95,7 +95,7 @@ for h, d in ((100, 576), (5, 512)):
     print(f"target H={h} Dqk={d}: ok")
 print("target memcheck case done")
 
-# The indexer-loss backward kernel: Hi < 64, invalid entries on both sides of [0, S), partial
+# The indexer-loss kernels (the KL and its backward): Hi < 64, invalid entries on both sides of [0, S), partial
 # lists, K not a multiple of the 64-entry block.
 from jax_dsa.cute import indexer_loss  # noqa: E402
 
@@ -108,7 +108,8 @@ for h, k_, s in ((7, 70, 90), (64, 200, 3000)):
     tl = jnp.asarray(rng.integers(0, k_ + 1, (2, t)).astype(np.int32))
     tgt = jnp.asarray(rng.random((2, t, k_)), jnp.float32)
     grads = indexer_loss.backward(q, k, w, idx, tl, tgt, jnp.ones((2, t), jnp.float32), 0.1)
-    jax.block_until_ready(grads)
-    assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in grads)
+    kl = indexer_loss.forward(q, k, w, idx, tl, tgt, 0.1)
+    jax.block_until_ready((grads, kl))
+    assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in grads + (kl,))
     print(f"indexer loss H={h} K={k_} S={s}: ok")
 print("indexer loss memcheck case done")

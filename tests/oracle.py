@@ -175,3 +175,22 @@ def indexer_loss_grads(q, k, w, idx, lengths, target, g, scale):
             dq[bi, ti] = dd @ kr
             np.add.at(dk[bi], rows, dd.T @ q[bi, ti])
     return dq, dk, dw
+
+
+def indexer_kl(q, k, w, idx, lengths, target, scale):
+    """float64 per-token KL(target || softmax of the indexer scores over the valid entries)."""
+    b, t, h, _ = q.shape
+    out = np.zeros((b, t))
+    for bi in range(b):
+        for ti in range(t):
+            valid = [(j, int(r)) for j, r in enumerate(idx[bi, ti])
+                     if j < lengths[bi, ti] and 0 <= r < k.shape[1]]
+            if not valid:
+                continue
+            z = np.array([np.sum(w[bi, ti] * np.maximum(scale * q[bi, ti] @ k[bi, r], 0))
+                          for _, r in valid])
+            log_p = z - z.max() - np.log(np.exp(z - z.max()).sum())
+            tg = np.array([target[bi, ti, j] for j, _ in valid])
+            out[bi, ti] = np.sum(np.where(tg > 0, tg * np.log(np.where(tg > 0, tg, 1)), 0)
+                                 - tg * log_p)
+    return out

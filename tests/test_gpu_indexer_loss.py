@@ -1,12 +1,12 @@
-"""The Hopper indexer-loss backward kernel (jax_dsa.cute.indexer_loss,
-ffi/kernels/sm90/indexer_loss_bwd.py) against the float64 oracle (GPU only)."""
+"""The Hopper indexer-loss kernels (jax_dsa.cute.indexer_loss, ffi/kernels/sm90/indexer_loss.py:
+the per-token KL and its gradients) against the float64 oracles (GPU only)."""
 import numpy as np
 import pytest
 
 import jax.numpy as jnp
 
 from cases import rel_err
-from oracle import indexer_loss_grads
+from oracle import indexer_loss_grads, indexer_kl
 
 pytestmark = pytest.mark.gpu
 
@@ -74,3 +74,9 @@ def test_indexer_loss_kernel_matches_the_oracle(case, dtype):
                 if 0 <= idx[bi, ti, j] < s:
                     listed[bi, idx[bi, ti, j]] = True
     np.testing.assert_array_equal(np.asarray(dk, np.float32)[~listed], 0)
+    kl = np.asarray(indexer_loss.forward(jnp.asarray(q, dtype), jnp.asarray(kk, dtype),
+                                         jnp.asarray(w), jnp.asarray(idx),
+                                         jnp.asarray(lengths), jnp.asarray(target), scale))
+    want_kl = indexer_kl(q, kk, w, idx, lengths, target, scale)
+    np.testing.assert_allclose(kl, want_kl, rtol=1e-3, atol=1e-5)
+    assert kl[0, 0] == 0  # the dead token

@@ -8,26 +8,7 @@ import jax.numpy as jnp
 
 import jax_dsa
 from cases import make_problem, rel_err
-from oracle import attention_target as np_target
-
-
-def np_kl(q, k, w, idx, lengths, target, scale):
-    """float64 per-token KL(target || softmax of the indexer scores over the valid entries)."""
-    b, t, h, _ = q.shape
-    out = np.zeros((b, t))
-    for bi in range(b):
-        for ti in range(t):
-            valid = [(j, int(r)) for j, r in enumerate(idx[bi, ti])
-                     if j < lengths[bi, ti] and 0 <= r < k.shape[1]]
-            if not valid:
-                continue
-            z = np.array([np.sum(w[bi, ti] * np.maximum(scale * q[bi, ti] @ k[bi, r], 0))
-                          for _, r in valid])
-            log_p = z - z.max() - np.log(np.exp(z - z.max()).sum())
-            tg = np.array([target[bi, ti, j] for j, _ in valid])
-            out[bi, ti] = np.sum(np.where(tg > 0, tg * np.log(np.where(tg > 0, tg, 1)), 0)
-                                 - tg * log_p)
-    return out
+from oracle import attention_target as np_target, indexer_kl as np_kl
 
 
 @pytest.mark.parametrize("sink,topk", [(False, "none"), (True, "partial")])
@@ -199,12 +180,21 @@ def emulated_loss_kernel(q, k, w, idx, topk_length, target, g, *, scale):
     return dq, dw, dk
 
 
+def emulated_loss_fwd_kernel(q, k, w, idx, topk_length, target, *, scale):
+    """The loss kernel's forward contract in jnp (ffi.indexer_loss_fwd): the per-token KL."""
+    from jax_dsa.indexer_loss import _kl
+    return _kl(q.astype(jnp.float32), k.astype(jnp.float32), w.astype(jnp.float32), idx,
+               topk_length, target, scale, False)
+
+
 def test_loss_kernel_path_with_an_emulated_kernel(monkeypatch):
-    """jax_dsa.cute.indexer_loss.backward (argument order, the casts to the inputs' dtypes) with
-    the kernel replaced by a jnp emulation of its contract: the float64 oracle's gradients."""
+    """jax_dsa.cute.indexer_loss.forward / backward (argument order, the casts to the inputs'
+    dtypes) with the kernels replaced by jnp emulations of their contracts: the float64
+    oracles' KL and gradients."""
     from jax_dsa.cute import ffi, indexer_loss as cute_loss
     from oracle import indexer_loss_grads
     monkeypatch.setattr(ffi, "indexer_loss_bwd", emulated_loss_kernel)
+    monkeypatch.setattr(ffi, "indexer_loss_fwd", emulated_loss_fwd_kernel)
     q, k, w, idx, lengths, target = _loss_problem(seed=6)
     g = np.random.default_rng(7).standard_normal(idx.shape[:2])
     got = cute_loss.backward(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32),
@@ -215,3 +205,7 @@ def test_loss_kernel_path_with_an_emulated_kernel(monkeypatch):
     for a, b in zip(got, want):
         assert a.dtype == jnp.float32
         assert rel_err(a, b) < 1e-5, rel_err(a, b)
+    kl = cute_loss.forward(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32),
+                           jnp.asarray(w, jnp.float32), jnp.asarray(idx), jnp.asarray(lengths),
+                           jnp.asarray(target, jnp.float32), 0.7)
+    assert rel_err(kl, np_kl(q, k, w, idx, lengths, target, 0.7)) < 1e-5

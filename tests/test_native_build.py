@@ -43,9 +43,10 @@ def test_library_loads_and_exports_handlers():
     lib.JaxDsaTargetNumKernels.restype = ctypes.c_int
     assert lib.JaxDsaTargetNumKernels() == 4
     assert getattr(lib, "JaxDsaAttentionTargetSm90") is not None
-    assert _native.has_indexer_loss()  # the indexer loss's backward (bf16, f16)
+    assert _native.has_indexer_loss()  # the indexer loss and its backward (bf16, f16)
     lib.JaxDsaLossNumKernels.restype = ctypes.c_int
-    assert lib.JaxDsaLossNumKernels() == 2
+    assert lib.JaxDsaLossNumKernels() == 4
+    assert getattr(lib, "JaxDsaIndexerLossFwdSm90") is not None
     assert getattr(lib, "JaxDsaIndexerLossBwdSm90") is not None
 
 

@@ -32,6 +32,7 @@ TARGETS = {
     "jax_dsa_indexer_scores_sm90": "JaxDsaIndexerScoresSm90",
     "jax_dsa_indexer_topk_sm90": "JaxDsaIndexerTopkSm90",
     "jax_dsa_attention_target_sm90": "JaxDsaAttentionTargetSm90",
+    "jax_dsa_indexer_loss_fwd_sm90": "JaxDsaIndexerLossFwdSm90",
     "jax_dsa_indexer_loss_bwd_sm90": "JaxDsaIndexerLossBwdSm90",
 }
 # Module loaders of the handler files (called once, outside any CUDA-graph capture).
@@ -147,7 +148,7 @@ def has_target() -> bool:
 
 
 def has_indexer_loss() -> bool:
-    """True when the library holds the indexer-loss backward kernels. Never raises."""
+    """True when the library holds the indexer-loss kernels. Never raises."""
     return _num_kernels("JaxDsaLossNumKernels") > 0
 
 
@@ -276,6 +277,15 @@ def attention_mass(q, kv, idx, topk_length, off, *, scale, poison_outputs=False)
     out = jax.ShapeDtypeStruct((B, T, -(-H // 64), idx.shape[2]), jnp.float32)
     return _call("jax_dsa_attention_target_sm90", out, q, kv, _i32(idx), _i32(topk_length),
                  _f32(off), scale=np.float32(scale), poison=np.int32(bool(poison_outputs)))
+
+
+def indexer_loss_fwd(q, k, w, idx, topk_length, target, *, scale):
+    """The per-token KL [B, T] float32 of jax_dsa.indexer_loss on the loss kernel
+    (ffi/indexer_loss.cc); arguments as indexer_loss_bwd's."""
+    B, T = q.shape[:2]
+    out = jax.ShapeDtypeStruct((B, T), jnp.float32)
+    return _call("jax_dsa_indexer_loss_fwd_sm90", out, q, k, _f32(w), _i32(idx),
+                 _i32(topk_length), _f32(target), scale=np.float32(scale))
 
 
 def indexer_loss_bwd(q, k, w, idx, topk_length, target, g, *, scale):

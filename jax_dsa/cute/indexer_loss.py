@@ -1,13 +1,14 @@
-"""The indexer loss's backward on the Hopper kernel (ffi/kernels/sm90/indexer_loss_bwd.py).
+"""The indexer loss on the Hopper kernels (ffi/kernels/sm90/indexer_loss.py).
 
 Inputs are canonical (jax_dsa/indexer_loss.py): q [B, T, Hi, 128] bf16/f16 with Hi <= 64, k
 [B, S, 128], weights [B, T, Hi], idx [B, T, K] int32 with K <= INDEXER_LOSS_MAX_K, topk_length
-[B, T], target [B, T, K] and the per-token cotangent g [B, T]. One CTA per token recomputes
-the selected scores, the softmax and dscore, and writes dq and dweights and adds dk (fp32
-atomics, never at an invalid entry); no [B, T, Hi, K] array is formed.
+[B, T], target [B, T, K] (and for the backward the per-token cotangent g [B, T]). One CTA per
+token recomputes the selected scores and their softmax; the forward writes the token's KL, the
+backward dq and dweights and adds dk (fp32 atomics, never at an invalid entry); no
+[B, T, Hi, K] array is formed.
 
-Not yet the backward of `jax_dsa.indexer_loss` (the reference): `backward` below is reached by
-the GPU tests (tests/test_gpu_indexer_loss.py) until the kernel has run there.
+Not yet what `jax_dsa.indexer_loss` runs (the reference): `forward` / `backward` below are
+reached by the GPU tests (tests/test_gpu_indexer_loss.py) until the kernels have run there.
 """
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ def shape_problem(q, k, idx) -> str | None:
     if not ffi.has_indexer_loss():
         return "the kernel library was built without the indexer-loss kernels"
     return None
+
+
+def forward(q, k, w, idx, topk_length, target, scale):
+    """The per-token KL [B, T] float32."""
+    return ffi.indexer_loss_fwd(q, k, w, idx, topk_length, target, scale=scale)
 
 
 def backward(q, k, w, idx, topk_length, target, g, scale):

@@ -1,6 +1,6 @@
-"""The indexer loss's backward for sm_90a: dq, dweights and dk of the per-token
-KL(target || softmax_j score_j), from q, k, w, the selection and the target (no [B, T, Hi, K]
-array in HBM).
+"""The indexer loss for sm_90a: the per-token KL(target || softmax_j score_j) (forward) and
+its dq, dweights and dk (backward), from q, k, w, the selection and the target (no
+[B, T, Hi, K] array in HBM).
 
     a[h, j]  = scale * q[b, t, h] . k[b, idx_j]          score_j = sum_h w_h ReLU(a[h, j])
     dscore_j = g_t (p_j sum_i target_i - target_j)       p = softmax over the valid entries
@@ -30,8 +30,11 @@ two-stage ring (invalid entries: zero rows that read nothing):
      invalid entry.
 Shared memory: Q 16 KB + 2 x 16 KB ring + 2 x 8 KB dd tiles + 4 x K bytes of scores.
 
-Entry point: compile_indexer_loss_bwd(dtype); ffi/build.py exports it as
-jax_dsa_indexer_loss_bwd_<dtype> (ffi/indexer_loss.cc).
+The forward (IndexerLossFwdSm90) runs pass 1 and the softmax statistics only and writes one KL
+per token (kl (B*T,) f32 instead of g and the gradients).
+
+Entry points: compile_indexer_loss_fwd(dtype) / compile_indexer_loss_bwd(dtype); ffi/build.py
+exports them as jax_dsa_indexer_loss_{fwd,bwd}_<dtype> (ffi/indexer_loss.cc).
 """
 
 import cutlass
@@ -42,7 +45,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 import cuda.bindings.driver as cuda
 
 from jax_dsa.cute.constants import INDEXER_DIM as D, INDEXER_LOSS_MAX_K as KMAX
-from .common import (LOG2_E, ROW_COPY_THREADS as THREADS, ROW_COPY_TPR as TPR, acc_mn_view,
+from .common import (LN_2, LOG2_E, ROW_COPY_THREADS as THREADS, ROW_COPY_TPR as TPR, acc_mn_view,
                      gather_rows_sw128, load_rows_sw128, red_add_v2_f32_if)
 
 BM = 64  # head rows (Hi <= 64, padded)
@@ -98,8 +101,6 @@ class IndexerLossBwdSm90:
         bt32, _, _ = cute.arch.block_idx()
         bt = cutlass.Int64(bt32)
         b = bt32 // T
-        lane = tidx % 32
-        warp = tidx // 32
         k_eff = cutlass.min(K, cutlass.max(mLen[bt], 0))
         n_blocks = (k_eff + BN - 1) // BN
         idx_base = bt * cutlass.Int64(K)
@@ -117,73 +118,18 @@ class IndexerLossBwdSm90:
         dd_sw = cute.recast_ptr(storage.sDD.data_ptr(), swizzle_=swz)
         k_smem = storage.sK.data_ptr().toint()
 
-        # ---- Q's head rows (rows >= Hi: zeros, nothing read) ----
         row = tidx // TPR
         sub = tidx % TPR
-        load_rows_sw128(mQ.iterator.toint(), bt * cutlass.Int64(Hi), Hi,
-                        storage.sQ.data_ptr().toint(), row, sub, BM, D * 2)
-        cute.arch.cp_async_commit_group()
-
         thr_s = self._mma("s").get_slice(tidx)
         tScS = acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((BM, BN))))
         nc = cute.size(tScS, mode=[1])
-        # this thread's two head rows: w (0 above Hi)
-        w_r = cute.make_rmem_tensor(2, cutlass.Float32)
-        for r in cutlass.range_constexpr(2):
-            h = tScS[r, 0][0]
-            v = cutlass.Float32(0.0)
-            if h < Hi:
-                v = mW[bt * cutlass.Int64(Hi) + cutlass.Int64(h)]
-            w_r[r] = v
         k_addr = mK.iterator.toint()
-
-        # ---- pass 1: the scores of the valid entries ----
-        if n_blocks > 0:
-            gather_rows_sw128(mIdx, k_addr, k_smem, sRow, 0, 0, k_eff, idx_base, k_batch, S,
-                              row, sub, BN, D * 2)
-        cute.arch.cp_async_commit_group()
-        for blk in cutlass.range(n_blocks, unroll=1):
-            st = blk % 2
-            acc = self._scores_block(mIdx, k_addr, k_smem, sRow, blk, n_blocks, k_eff,
-                                     idx_base, k_batch, S, row, sub, q_sw, k_sw, row_layout,
-                                     tidx)
-            S_mn = acc_mn_view(acc)
-            for c in cutlass.range_constexpr(nc):
-                col = tScS[0, c][1]
-                v = (cute.arch.fmax(S_mn[0, c] * scale, 0.0) * w_r[0]
-                     + cute.arch.fmax(S_mn[1, c] * scale, 0.0) * w_r[1])
-                for m in (4, 8, 16):
-                    v = v + cute.arch.shuffle_sync_bfly(v, offset=m)
-                if lane < 4:
-                    sPart[warp * BN + col] = v
-            cute.arch.barrier()
-            if tidx < BN:
-                tot = (sPart[tidx] + sPart[BN + tidx]) + (sPart[2 * BN + tidx]
-                                                          + sPart[3 * BN + tidx])
-                sScore[blk * BN + tidx] = cutlass.Float32(cutlass.select_(
-                    sRow[st * BN + tidx] >= 0, tot, -cutlass.Float32.inf))
-            cute.arch.barrier()  # sPart, the stage and sRow are free again
-        cute.arch.cp_async_wait_group(0)
-
-        # ---- the softmax over the row and dscore, in place ----
         n_pad = n_blocks * BN
-        m = -cutlass.Float32.inf
-        for j in cutlass.range(tidx, n_pad, THREADS, unroll=1):
-            m = cute.arch.fmax(m, sScore[j])
-        m = self._block_reduce(m, sRed, True)
-        m = cutlass.Float32(cutlass.select_(m == -cutlass.Float32.inf, cutlass.Float32(0.0),
-                                            m))
-        z = cutlass.Float32(0.0)
-        tsum = cutlass.Float32(0.0)
-        for j in cutlass.range(tidx, n_pad, THREADS, unroll=1):
-            sc = sScore[j]
-            ok = sc > -cutlass.Float32.inf
-            e = cute.math.exp2((sc - m) * LOG2_E, fastmath=True)
-            z = z + cutlass.Float32(cutlass.select_(ok, e, cutlass.Float32(0.0)))
-            if ok:  # (slots past the list: nothing read)
-                tsum = tsum + mTarget[idx_base + cutlass.Int64(j)]
-        z = self._block_reduce(z, sRed, False)
-        tsum = self._block_reduce(tsum, sRed, False)
+        w_r, m, z, tsum = self._row_softmax(
+            mQ, mK, mW, mIdx, mTarget, bt, Hi, S, k_eff, n_blocks, idx_base, k_batch, scale,
+            storage.sQ.data_ptr().toint(), k_smem, q_sw, k_sw, sScore, sPart, sRed, sRow,
+            row_layout, tidx)
+        # ---- dscore, in place ----
         inv_z = cutlass.Float32(cutlass.select_(z > 0.0, 1.0 / z, cutlass.Float32(0.0)))
         for j in cutlass.range(tidx, n_pad, THREADS, unroll=1):
             sc = sScore[j]
@@ -297,6 +243,89 @@ class IndexerLossBwdSm90:
                     mDQ[out + cutlass.Int64(tCcQ[r, c][1])] = Q_mn[r, c]
 
     @cute.jit
+    def _row_softmax(self, mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor,
+                     mIdx: cute.Tensor, mTarget: cute.Tensor, bt: cutlass.Int64,
+                     Hi: cutlass.Int32, S: cutlass.Int32, k_eff: cutlass.Int32, n_blocks,
+                     idx_base: cutlass.Int64, k_batch: cutlass.Int64, scale: cutlass.Float32,
+                     q_smem: cutlass.Int32, k_smem: cutlass.Int32, q_sw, k_sw,
+                     sScore: cute.Tensor, sPart: cute.Tensor, sRed: cute.Tensor,
+                     sRow: cute.Tensor, row_layout: cute.Layout, tidx):
+        """Q to shared memory, pass 1 (sScore: the valid entries' scores, -inf at the others,
+        up to n_blocks * 64) and the row's softmax statistics: (w of the thread's two head
+        rows, the max m (0 when no entry is valid), z = sum exp(score - m), the targets' sum
+        over the valid entries)."""
+        lane = tidx % 32
+        warp = tidx // 32
+        # ---- Q's head rows (rows >= Hi: zeros, nothing read) ----
+        row = tidx // TPR
+        sub = tidx % TPR
+        load_rows_sw128(mQ.iterator.toint(), bt * cutlass.Int64(Hi), Hi, q_smem, row, sub, BM,
+                        D * 2)
+        cute.arch.cp_async_commit_group()
+
+        thr_s = self._mma("s").get_slice(tidx)
+        tScS = acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((BM, BN))))
+        nc = cute.size(tScS, mode=[1])
+        # this thread's two head rows: w (0 above Hi)
+        w_r = cute.make_rmem_tensor(2, cutlass.Float32)
+        for r in cutlass.range_constexpr(2):
+            h = tScS[r, 0][0]
+            v = cutlass.Float32(0.0)
+            if h < Hi:
+                v = mW[bt * cutlass.Int64(Hi) + cutlass.Int64(h)]
+            w_r[r] = v
+        k_addr = mK.iterator.toint()
+
+        # ---- pass 1: the scores of the valid entries ----
+        if n_blocks > 0:
+            gather_rows_sw128(mIdx, k_addr, k_smem, sRow, 0, 0, k_eff, idx_base, k_batch, S,
+                              row, sub, BN, D * 2)
+        cute.arch.cp_async_commit_group()
+        for blk in cutlass.range(n_blocks, unroll=1):
+            st = blk % 2
+            acc = self._scores_block(mIdx, k_addr, k_smem, sRow, blk, n_blocks, k_eff,
+                                     idx_base, k_batch, S, row, sub, q_sw, k_sw, row_layout,
+                                     tidx)
+            S_mn = acc_mn_view(acc)
+            for c in cutlass.range_constexpr(nc):
+                col = tScS[0, c][1]
+                v = (cute.arch.fmax(S_mn[0, c] * scale, 0.0) * w_r[0]
+                     + cute.arch.fmax(S_mn[1, c] * scale, 0.0) * w_r[1])
+                for m in (4, 8, 16):
+                    v = v + cute.arch.shuffle_sync_bfly(v, offset=m)
+                if lane < 4:
+                    sPart[warp * BN + col] = v
+            cute.arch.barrier()
+            if tidx < BN:
+                tot = (sPart[tidx] + sPart[BN + tidx]) + (sPart[2 * BN + tidx]
+                                                          + sPart[3 * BN + tidx])
+                sScore[blk * BN + tidx] = cutlass.Float32(cutlass.select_(
+                    sRow[st * BN + tidx] >= 0, tot, -cutlass.Float32.inf))
+            cute.arch.barrier()  # sPart, the stage and sRow are free again
+        cute.arch.cp_async_wait_group(0)
+
+        # ---- the row's softmax statistics ----
+        n_pad = n_blocks * BN
+        m = -cutlass.Float32.inf
+        for j in cutlass.range(tidx, n_pad, THREADS, unroll=1):
+            m = cute.arch.fmax(m, sScore[j])
+        m = self._block_reduce(m, sRed, True)
+        m = cutlass.Float32(cutlass.select_(m == -cutlass.Float32.inf, cutlass.Float32(0.0),
+                                            m))
+        z = cutlass.Float32(0.0)
+        tsum = cutlass.Float32(0.0)
+        for j in cutlass.range(tidx, n_pad, THREADS, unroll=1):
+            sc = sScore[j]
+            ok = sc > -cutlass.Float32.inf
+            e = cute.math.exp2((sc - m) * LOG2_E, fastmath=True)
+            z = z + cutlass.Float32(cutlass.select_(ok, e, cutlass.Float32(0.0)))
+            if ok:  # (slots past the list: nothing read)
+                tsum = tsum + mTarget[idx_base + cutlass.Int64(j)]
+        z = self._block_reduce(z, sRed, False)
+        tsum = self._block_reduce(tsum, sRed, False)
+        return w_r, m, z, tsum
+
+    @cute.jit
     def _scores_block(self, mIdx: cute.Tensor, k_addr: cutlass.Int64, k_smem: cutlass.Int32,
                       sRow: cute.Tensor, blk, n_blocks, k_eff: cutlass.Int32,
                       idx_base: cutlass.Int64, k_batch: cutlass.Int64, S: cutlass.Int32, row,
@@ -379,3 +408,98 @@ def fake_args(dtype):
 def compile_indexer_loss_bwd(dtype):
     """Compile with shape-only tensors (fake_args)."""
     return cute.compile(IndexerLossBwdSm90(dtype), *fake_args(dtype))
+
+
+class IndexerLossFwdSm90(IndexerLossBwdSm90):
+    """The per-token KL alone (the loss's forward): pass 1 and the row's softmax statistics of
+    IndexerLossBwdSm90, then KL_t = sum_j target_j (log target_j - log p_j) over the valid
+    entries (0 for a token without one), one float32 per token."""
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mIdx: cute.Tensor,
+                 mLen: cute.Tensor, mTarget: cute.Tensor, mKL: cute.Tensor, B: cutlass.Int32,
+                 T: cutlass.Int32, Hi: cutlass.Int32, S: cutlass.Int32, K: cutlass.Int32,
+                 scale: cutlass.Float32, stream: cuda.CUstream):
+        dt = self.dtype
+        k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, dt)
+        row_layout = cute.tile_to_shape(k_atom, (BM, D), (0, 1))
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, BM * D], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, 2 * BN * D], 1024]
+            sScore: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, KMAX], 16]
+            sPart: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * BN], 16]
+            sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 8], 16]
+            sRow: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * BN], 16]
+
+        self.kernel(mQ, mK, mW, mIdx, mLen, mTarget, mKL, T, Hi, S, K, scale, k_atom.inner,
+                    row_layout.outer, SharedStorage).launch(
+            grid=[B * T, 1, 1], block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(),
+            min_blocks_per_mp=1, stream=stream)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mIdx: cute.Tensor,
+               mLen: cute.Tensor, mTarget: cute.Tensor, mKL: cute.Tensor, T: cutlass.Int32,
+               Hi: cutlass.Int32, S: cutlass.Int32, K: cutlass.Int32, scale: cutlass.Float32,
+               swz: cute.Swizzle, row_layout: cute.Layout, SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        bt32, _, _ = cute.arch.block_idx()
+        bt = cutlass.Int64(bt32)
+        b = bt32 // T
+        k_eff = cutlass.min(K, cutlass.max(mLen[bt], 0))
+        n_blocks = (k_eff + BN - 1) // BN
+        idx_base = bt * cutlass.Int64(K)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sScore = storage.sScore.get_tensor(cute.make_layout(KMAX))
+        sRed = storage.sRed.get_tensor(cute.make_layout(8))
+        _, m, z, tsum = self._row_softmax(
+            mQ, mK, mW, mIdx, mTarget, bt, Hi, S, k_eff, n_blocks, idx_base,
+            cutlass.Int64(b) * cutlass.Int64(S), scale, storage.sQ.data_ptr().toint(),
+            storage.sK.data_ptr().toint(), cute.recast_ptr(storage.sQ.data_ptr(), swizzle_=swz),
+            cute.recast_ptr(storage.sK.data_ptr(), swizzle_=swz), sScore,
+            storage.sPart.get_tensor(cute.make_layout(4 * BN)), sRed,
+            storage.sRow.get_tensor(cute.make_layout(2 * BN)), row_layout, tidx)
+        # KL = sum t log t - sum t (score - m) + (sum t) log z, over the valid entries
+        xlogx = cutlass.Float32(0.0)
+        tdot = cutlass.Float32(0.0)
+        for j in cutlass.range(tidx, n_blocks * BN, THREADS, unroll=1):
+            sc = sScore[j]
+            if sc > -cutlass.Float32.inf:  # (slots past the list: nothing read)
+                tg = mTarget[idx_base + cutlass.Int64(j)]
+                lg = cute.math.log2(cute.arch.fmax(tg, 1e-30), fastmath=True) * LN_2
+                xlogx = xlogx + cutlass.Float32(cutlass.select_(tg > 0.0, tg * lg,
+                                                                cutlass.Float32(0.0)))
+                tdot = tdot + tg * (sc - m)
+        xlogx = self._block_reduce(xlogx, sRed, False)
+        tdot = self._block_reduce(tdot, sRed, False)
+        log_z = cute.math.log2(cute.arch.fmax(z, 1e-30), fastmath=True) * LN_2
+        kl = cutlass.Float32(cutlass.select_(z > 0.0, xlogx - tdot + tsum * log_z,
+                                             cutlass.Float32(0.0)))
+        if tidx == 0:
+            mKL[bt] = kl
+
+
+def fwd_fake_args(dtype):
+    """q (B*T*Hi, 128), k (B*S, 128), w (B*T*Hi,) f32, idx (B*T*K,), topk_length (B*T,),
+    target (B*T*K,) f32, kl (B*T,) f32, then B, T, Hi, S, K, scale and the stream."""
+    rows_q, rows_k, n_idx, n_tok = (cute.sym_int64() for _ in range(4))
+    i32 = cutlass.Int32(1)
+    f32 = cutlass.Float32
+    return (
+        make_fake_compact_tensor(dtype, (rows_q, D), stride_order=(1, 0), assumed_align=16),
+        make_fake_compact_tensor(dtype, (rows_k, D), stride_order=(1, 0), assumed_align=16),
+        make_fake_compact_tensor(f32, (rows_q,), assumed_align=4),
+        make_fake_compact_tensor(cutlass.Int32, (n_idx,), assumed_align=4),
+        make_fake_compact_tensor(cutlass.Int32, (n_tok,), assumed_align=4),
+        make_fake_compact_tensor(f32, (n_idx,), assumed_align=4),
+        make_fake_compact_tensor(f32, (n_tok,), assumed_align=4),
+        i32, i32, i32, i32, i32, cutlass.Float32(1.0), make_fake_stream(),
+    )
+
+
+def compile_indexer_loss_fwd(dtype):
+    """Compile with shape-only tensors (fwd_fake_args)."""
+    return cute.compile(IndexerLossFwdSm90(dtype), *fwd_fake_args(dtype))
