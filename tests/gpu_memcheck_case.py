@@ -95,8 +95,8 @@ for h, d in ((100, 576), (5, 512)):
     print(f"target H={h} Dqk={d}: ok")
 print("target memcheck case done")
 
-# The indexer-loss kernels (the KL and its backward): Hi < 64, invalid entries on both sides of [0, S), partial
-# lists, K not a multiple of the 64-entry block.
+# The indexer-loss kernels (the KL and its backward): Hi < 64, invalid entries on both sides of
+# [0, S), partial lists, K not a multiple of the 64-entry block.
 from jax_dsa.cute import indexer_loss  # noqa: E402
 
 for h, k_, s in ((7, 70, 90), (64, 200, 3000)):

@@ -36,7 +36,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 import cuda.bindings.driver as cuda
 
 from .common import (LOG2_E, ROW_COPY_THREADS as THREADS, ROW_COPY_TPR as TPR, acc_mn_view,
-                     gather_rows_sw128, load_rows_sw128)
+                     gather_rows_sw128, head_sums, load_rows_sw128)
 
 BM = 64  # heads per CTA
 BN = 64  # entries per block
@@ -87,8 +87,6 @@ class AttentionTargetSm90:
         bt = cutlass.Int64(bt32)
         b = bt32 // T
         h0 = hb * BM
-        lane = tidx % 32
-        warp = tidx // 32
         k_eff = cutlass.min(K, cutlass.max(mLen[bt], 0))
         n_blocks = (k_eff + BN - 1) // BN
         idx_base = bt * cutlass.Int64(K)
@@ -136,6 +134,7 @@ class AttentionTargetSm90:
         acc = thr.make_fragment_C(thr.partition_shape_C((BM, BN)))
         S_mn = acc_mn_view(acc)
         nc = cute.size(S_mn, mode=[1])
+        vals = cute.make_rmem_tensor(nc, cutlass.Float32)
         for blk in cutlass.range(n_blocks, unroll=1):
             st = blk % 2
             # Block blk + 1's gather into the other stage (read by block blk - 1's GEMM, which
@@ -160,25 +159,18 @@ class AttentionTargetSm90:
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
-            # p summed over the thread's two rows, then over the 8 lanes of equal lane % 4
-            # (they hold the same columns), then over the 4 warps.
+            # p summed over the thread's two rows, then over the heads (head_sums)
             for c in cutlass.range_constexpr(nc):
-                col = tScS[0, c][1]
                 a = cute.math.exp2(S_mn[0, c] * scale_log2 - off_r[0], fastmath=True)
                 a = a + cute.math.exp2(S_mn[1, c] * scale_log2 - off_r[1], fastmath=True)
-                a = cutlass.select_(sRow[st * BN + col] >= 0, a, cutlass.Float32(0.0))
-                for m in (4, 8, 16):
-                    a = a + cute.arch.shuffle_sync_bfly(a, offset=m)
-                if lane < 4:
-                    sPart[warp * BN + col] = a
-            cute.arch.barrier()
-            if tidx < BN:
-                j = blk * BN + tidx
-                tot = (sPart[tidx] + sPart[BN + tidx]) + (sPart[2 * BN + tidx]
-                                                          + sPart[3 * BN + tidx])
-                if j < K:
-                    mMass[mass_base + cutlass.Int64(j)] = tot
+                vals[c] = cutlass.select_(sRow[st * BN + tScS[0, c][1]] >= 0, a,
+                                          cutlass.Float32(0.0))
+            tot = head_sums(vals, tScS, sPart, tidx, BN)
+            j = blk * BN + tidx
+            if tidx < BN and j < K:
+                mMass[mass_base + cutlass.Int64(j)] = tot
         cute.arch.cp_async_wait_group(0)
+
 
 def fake_args(dtype, d_qk: int):
     """q (B*T*H, Dqk), kv (B*S, Dqk), idx (B*T*K,), topk_length (B*T,), off (B*T*H,) f32,

@@ -176,6 +176,30 @@ def gather_rows_sw128(mIdx: cute.Tensor, src_addr: cutlass.Int64, dst: cutlass.I
                               16 * ROW_COPY_TPR * i)
 
 
+@cute.jit
+def head_sums(vals: cute.Tensor, tScS: cute.Tensor, sPart: cute.Tensor, tidx,
+              bn: cutlass.Constexpr):
+    """Column sums over the 64 rows of a warpgroup's 64 x bn wgmma accumulator, given vals[c]
+    = this thread's sum over its two rows of its column c (tScS: the accumulator's (row,
+    column) coordinates): over the 8 lanes holding the same columns (shuffles), then over the
+    4 warps (through sPart, 4 x bn floats, and a barrier of the 128 threads). Returns column
+    tidx's total to threads tidx < bn (0 to the others); sPart is free again after the next
+    barrier."""
+    lane = tidx % 32
+    warp = tidx // 32
+    for c in cutlass.range_constexpr(cute.size(vals)):
+        v = vals[c]
+        for m in (4, 8, 16):
+            v = v + cute.arch.shuffle_sync_bfly(v, offset=m)
+        if lane < 4:
+            sPart[warp * bn + tScS[0, c][1]] = v
+    cute.arch.barrier()
+    tot = cutlass.Float32(0.0)
+    if tidx < bn:
+        tot = (sPart[tidx] + sPart[bn + tidx]) + (sPart[2 * bn + tidx] + sPart[3 * bn + tidx])
+    return tot
+
+
 def _ir(x, loc, ip):
     """A pointer's address (toint), or an Int32 / Float32 value, as an MLIR value."""
     if hasattr(x, "toint"):

@@ -45,8 +45,9 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 import cuda.bindings.driver as cuda
 
 from jax_dsa.cute.constants import INDEXER_DIM as D, INDEXER_LOSS_MAX_K as KMAX
-from .common import (LN_2, LOG2_E, ROW_COPY_THREADS as THREADS, ROW_COPY_TPR as TPR, acc_mn_view,
-                     gather_rows_sw128, load_rows_sw128, red_add_v2_f32_if)
+from .common import (LN_2, LOG2_E, ROW_COPY_THREADS as THREADS, ROW_COPY_TPR as TPR,
+                     acc_mn_view, gather_rows_sw128, head_sums, load_rows_sw128,
+                     red_add_v2_f32_if)
 
 BM = 64  # head rows (Hi <= 64, padded)
 BN = 64  # entries per block
@@ -254,8 +255,6 @@ class IndexerLossBwdSm90:
         up to n_blocks * 64) and the row's softmax statistics: (w of the thread's two head
         rows, the max m (0 when no entry is valid), z = sum exp(score - m), the targets' sum
         over the valid entries)."""
-        lane = tidx % 32
-        warp = tidx // 32
         # ---- Q's head rows (rows >= Hi: zeros, nothing read) ----
         row = tidx // TPR
         sub = tidx % TPR
@@ -266,6 +265,7 @@ class IndexerLossBwdSm90:
         thr_s = self._mma("s").get_slice(tidx)
         tScS = acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((BM, BN))))
         nc = cute.size(tScS, mode=[1])
+        vals = cute.make_rmem_tensor(nc, cutlass.Float32)
         # this thread's two head rows: w (0 above Hi)
         w_r = cute.make_rmem_tensor(2, cutlass.Float32)
         for r in cutlass.range_constexpr(2):
@@ -288,17 +288,10 @@ class IndexerLossBwdSm90:
                                      tidx)
             S_mn = acc_mn_view(acc)
             for c in cutlass.range_constexpr(nc):
-                col = tScS[0, c][1]
-                v = (cute.arch.fmax(S_mn[0, c] * scale, 0.0) * w_r[0]
-                     + cute.arch.fmax(S_mn[1, c] * scale, 0.0) * w_r[1])
-                for m in (4, 8, 16):
-                    v = v + cute.arch.shuffle_sync_bfly(v, offset=m)
-                if lane < 4:
-                    sPart[warp * BN + col] = v
-            cute.arch.barrier()
+                vals[c] = (cute.arch.fmax(S_mn[0, c] * scale, 0.0) * w_r[0]
+                           + cute.arch.fmax(S_mn[1, c] * scale, 0.0) * w_r[1])
+            tot = head_sums(vals, tScS, sPart, tidx, BN)
             if tidx < BN:
-                tot = (sPart[tidx] + sPart[BN + tidx]) + (sPart[2 * BN + tidx]
-                                                          + sPart[3 * BN + tidx])
                 sScore[blk * BN + tidx] = cutlass.Float32(cutlass.select_(
                     sRow[st * BN + tidx] >= 0, tot, -cutlass.Float32.inf))
             cute.arch.barrier()  # sPart, the stage and sRow are free again
