@@ -16,6 +16,12 @@ def valid_entries(idx, topk_length, s):
     return (idx >= 0) & (idx < s) & (slot < topk_length[..., None])
 
 
+def _valid_list(idx, lengths, s, bi, ti):
+    """[(slot, row)] of token (bi, ti)'s valid entries."""
+    mask = valid_entries(np.asarray(idx[bi, ti]), np.asarray(lengths[bi, ti]), s)
+    return [(int(j), int(idx[bi, ti, j])) for j in np.flatnonzero(mask)]
+
+
 def numpy_forward(q, kv, idx, topk_length, sink, scale, d_v):
     """o [B, T, H, d_v] float64, lse [B, T, H] float64 by an explicit loop over tokens."""
     q, kv = np.asarray(q, np.float64), np.asarray(kv, np.float64)
@@ -133,8 +139,7 @@ def attention_target(p, scale):
     out = np.zeros((b, t, k))
     for bi in range(b):
         for ti in range(t):
-            valid = [(j, int(r)) for j, r in enumerate(p.idx[bi, ti])
-                     if j < p.lengths[bi, ti] and 0 <= r < s_rows]
+            valid = _valid_list(p.idx, p.lengths, s_rows, bi, ti)
             if not valid:
                 continue
             mass = np.zeros(k)
@@ -157,8 +162,7 @@ def indexer_loss_grads(q, k, w, idx, lengths, target, g, scale):
     dq, dk, dw = np.zeros_like(q), np.zeros_like(k), np.zeros_like(w)
     for bi in range(b):
         for ti in range(t):
-            valid = [(j, int(r)) for j, r in enumerate(idx[bi, ti])
-                     if j < lengths[bi, ti] and 0 <= r < k.shape[1]]
+            valid = _valid_list(idx, lengths, k.shape[1], bi, ti)
             if not valid:
                 continue
             slots = [j for j, _ in valid]
@@ -183,8 +187,7 @@ def indexer_kl(q, k, w, idx, lengths, target, scale):
     out = np.zeros((b, t))
     for bi in range(b):
         for ti in range(t):
-            valid = [(j, int(r)) for j, r in enumerate(idx[bi, ti])
-                     if j < lengths[bi, ti] and 0 <= r < k.shape[1]]
+            valid = _valid_list(idx, lengths, k.shape[1], bi, ti)
             if not valid:
                 continue
             z = np.array([np.sum(w[bi, ti] * np.maximum(scale * q[bi, ti] @ k[bi, r], 0))
