@@ -156,10 +156,8 @@ class IndexerLossBwdSm90:
         dw_acc.fill(0.0)
         dk_addr = mDK.iterator.toint()
 
-        if n_blocks > 0:
-            gather_rows_sw128(mIdx, k_addr, k_smem, sRow, 0, 0, k_eff, idx_base, k_batch, S,
-                              row, sub, BN, D * 2)
-        cute.arch.cp_async_commit_group()
+        self._first_block(mIdx, k_addr, k_smem, sRow, n_blocks, k_eff, idx_base, k_batch, S,
+                          row, sub)
         for blk in cutlass.range(n_blocks, unroll=1):
             st = blk % 2
             acc = self._scores_block(mIdx, k_addr, k_smem, sRow, blk, n_blocks, k_eff,
@@ -277,10 +275,8 @@ class IndexerLossBwdSm90:
         k_addr = mK.iterator.toint()
 
         # ---- pass 1: the scores of the valid entries ----
-        if n_blocks > 0:
-            gather_rows_sw128(mIdx, k_addr, k_smem, sRow, 0, 0, k_eff, idx_base, k_batch, S,
-                              row, sub, BN, D * 2)
-        cute.arch.cp_async_commit_group()
+        self._first_block(mIdx, k_addr, k_smem, sRow, n_blocks, k_eff, idx_base, k_batch, S,
+                          row, sub)
         for blk in cutlass.range(n_blocks, unroll=1):
             st = blk % 2
             acc = self._scores_block(mIdx, k_addr, k_smem, sRow, blk, n_blocks, k_eff,
@@ -317,6 +313,17 @@ class IndexerLossBwdSm90:
         z = self._block_reduce(z, sRed, False)
         tsum = self._block_reduce(tsum, sRed, False)
         return w_r, m, z, tsum
+
+    @cute.jit
+    def _first_block(self, mIdx: cute.Tensor, k_addr: cutlass.Int64, k_smem: cutlass.Int32,
+                     sRow: cute.Tensor, n_blocks, k_eff: cutlass.Int32, idx_base: cutlass.Int64,
+                     k_batch: cutlass.Int64, S: cutlass.Int32, row, sub):
+        """A pass over the list starts: block 0's gather into stage 0, committed as a group
+        (an empty group when the list is empty), which _scores_block(0) waits for."""
+        if n_blocks > 0:
+            gather_rows_sw128(mIdx, k_addr, k_smem, sRow, 0, 0, k_eff, idx_base, k_batch, S,
+                              row, sub, BN, D * 2)
+        cute.arch.cp_async_commit_group()
 
     @cute.jit
     def _scores_block(self, mIdx: cute.Tensor, k_addr: cutlass.Int64, k_smem: cutlass.Int32,
