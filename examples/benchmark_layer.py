@@ -14,9 +14,7 @@ function timed on its own (wall clock of back-to-back calls, median of batches):
   index bwd    jax_dsa.indexer_loss and its gradients (q_i, k_i, weights)
   step         all of it in one program: selection, forward, target, both losses' gradients
 
-Implementations: "cute" and "xla" as `implementation=` takes them; "cute-train" is "cute" with
-the attention target and the indexer loss (KL and gradients) on their Hopper kernels
-(jax_dsa.cute.target / jax_dsa.cute.indexer_loss, not yet the defaults: see docs/design.md).
+Implementations: "cute" and "xla" as `implementation=` takes them (every piece).
 --small runs CPU-sized shapes (T = 64, S = 1024) to check the script.
 """
 import argparse
@@ -50,9 +48,6 @@ def inputs(rng, t, s, h, d):
 
 
 def pieces(impl, topk, start):
-    train_kernels = impl == "cute-train"
-    impl = "cute" if train_kernels else impl
-
     def select(a):
         return jax_dsa.indexer_topk(a["q_i"], a["k_i"], a["w_i"], topk, scale=DI ** -0.5,
                                     ratio=RATIO, start=start, implementation=impl)
@@ -62,26 +57,14 @@ def pieces(impl, topk, start):
                                   implementation=impl, extra_kv=kv_c, extra_idx=idx)
 
     def target(a, idx, lse):
-        if train_kernels:
-            from jax_dsa.cute import target as kernel_target
-            return kernel_target.attention_target(a["q"], a["kv_c"], idx, sink=a["sink"],
-                                                  lse=lse)
-        return jax_dsa.attention_target(a["q"], a["kv_c"], idx, sink=a["sink"], lse=lse)
+        return jax_dsa.attention_target(a["q"], a["kv_c"], idx, sink=a["sink"], lse=lse,
+                                        implementation=impl)
 
     def index_loss(q_i, k_i, w_i, idx, tgt):
-        return jax_dsa.indexer_loss(q_i, k_i, w_i, idx, tgt, scale=DI ** -0.5)
+        return jax_dsa.indexer_loss(q_i, k_i, w_i, idx, tgt, scale=DI ** -0.5,
+                                    implementation=impl)
 
     index_grad = jax.grad(index_loss, argnums=(0, 1, 2))
-    if train_kernels:
-        from jax_dsa.cute import indexer_loss as kernel_loss
-
-        def index_grad(q_i, k_i, w_i, idx, tgt):  # the mean and its gradients
-            live = jnp.any(idx >= 0, axis=-1)
-            g = jnp.where(live, 1.0 / jnp.maximum(jnp.sum(live), 1), 0.0).astype(jnp.float32)
-            lengths = jnp.full(idx.shape[:2], idx.shape[2], jnp.int32)
-            kl = kernel_loss.forward(q_i, k_i, w_i, idx, lengths, tgt, DI ** -0.5)
-            grads = kernel_loss.backward(q_i, k_i, w_i, idx, lengths, tgt, g, DI ** -0.5)
-            return jnp.sum(kl * g), grads
 
     def step(a):
         idx = select(a)

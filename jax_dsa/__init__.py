@@ -2,7 +2,7 @@
 from jax_dsa import cute, indices
 from jax_dsa.api import Plan, explain, sparse_mla
 from jax_dsa.indexer import indexer_scores, indexer_topk
-from jax_dsa.indexer_loss import attention_target, indexer_loss
+from jax_dsa.training import attention_target, indexer_loss
 
 __version__ = "0.1.0"
 __all__ = ["sparse_mla", "explain", "Plan", "indexer_topk", "indexer_scores", "attention_target",

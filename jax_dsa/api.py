@@ -403,6 +403,39 @@ def _resolve_implementation(implementation, q, kv, d_v) -> tuple[str, str]:
     raise NotImplementedError(f"implementation='cute' cannot run here: {problem}")
 
 
+def choose(implementation, problem: str | None, warn_fallback) -> str:
+    """The implementation of an op beside sparse_mla (indexer, attention target, indexer loss):
+    "xla", "cute" or "auto" (see `dispatch`). `problem`: why its kernel cannot take the call
+    (None when it can); `warn_fallback(problem)` is called when the default (None) falls back
+    to the reference on a machine where the kernels run."""
+    names = (tuple(implementation) if isinstance(implementation, Sequence)
+             and not isinstance(implementation, str) else (implementation,))
+    if not names or any(n not in IMPLEMENTATIONS for n in names) or (
+            len(names) > 1 and None in names):
+        raise ValueError("implementation must be None, 'xla', 'cute' or a sequence of 'xla' / "
+                         f"'cute'; got {implementation!r}")
+    if names == (None,):
+        if problem and kernel_runtime_problem() is None:
+            warn_fallback(problem)
+        return "xla" if problem else "auto"
+    for name in names:
+        if name == "xla":
+            return "xla"
+        if problem is None:
+            return "cute"
+    raise NotImplementedError(f"implementation='cute' cannot run here: {problem}")
+
+
+def dispatch(impl, ref, kernel, *args):
+    """impl's function of args; "auto": the kernel when lowered for CUDA, the reference
+    elsewhere (as sparse_mla's). Called while tracing a jitted op."""
+    if impl == "xla":
+        return ref(*args)
+    if impl == "cute":
+        return kernel(*args)
+    return jax.lax.platform_dependent(*args, cuda=kernel, default=ref)
+
+
 @functools.lru_cache(maxsize=None)
 def _warn_fallback(shape, dtype, d_v, problem):
     """Logs once per shape that a call on a Hopper GPU runs the (slower) reference."""

@@ -13,7 +13,7 @@ from flax import nnx
 from jax_dsa import indices
 from jax_dsa.api import sparse_mla
 from jax_dsa.indexer import indexer_topk
-from jax_dsa.indexer_loss import attention_target, indexer_loss
+from jax_dsa.training import attention_target, indexer_loss
 
 
 class SparseMLA(nnx.Module):
@@ -143,9 +143,10 @@ class DSAttention(nnx.Module):
     is a constant, so the indexer loss trains only the indexer and the task loss only the rest.
     The attention's per-head sink is learned (SparseMLA).
 
-    dtype and implementation are SparseMLA's and apply to the indexer's selection too: with a
-    dtype set (bf16 / fp16 for the Hopper kernels) the indexer's q and k are cast to it before
-    `indexer_topk`; the indexer loss computes in float32.
+    dtype and implementation are SparseMLA's and apply to the indexer's selection, the target
+    and the indexer loss too: with a dtype set (bf16 / fp16 for the Hopper kernels) the
+    indexer's q and k and the target's q and kv are cast to it (the gradients flow back through
+    the casts); the losses are float32.
     """
 
     def __init__(self, d_model: int, num_heads: int, head_dim: int, d_v: int, *, topk,
@@ -167,11 +168,13 @@ class DSAttention(nnx.Module):
         self.topk, self.style, self.window, self.ratio = topk, style, window, ratio
         self.dtype, self.implementation = dtype, implementation
 
+    def _cast(self, x):
+        """x in the layer's dtype when one is set (bf16 / fp16: the Hopper kernels)."""
+        return x if self.dtype is None else x.astype(self.dtype)
+
     def _select(self, q_i, k_i, w_i, ratio=1):
-        """The indexer's top-k, its q and k in the layer's dtype when one is set (bf16 / fp16:
-        the Hopper indexer kernels)."""
-        if self.dtype is not None:
-            q_i, k_i = q_i.astype(self.dtype), k_i.astype(self.dtype)
+        """The indexer's top-k, its q and k in the layer's dtype when one is set."""
+        q_i, k_i = self._cast(q_i), self._cast(k_i)
         return indexer_topk(q_i, k_i, w_i, self.topk, scale=self.indexer.scale, ratio=ratio,
                             implementation=self.implementation)
 
@@ -188,12 +191,15 @@ class DSAttention(nnx.Module):
         sink = None if self.attn.sink is None else jax.lax.stop_gradient(self.attn.sink[...])
         # The target over the indexer's candidates: the attention's probabilities of those
         # entries (with the whole call's lse, so each head weighs as in the attention).
-        target = attention_target(jax.lax.stop_gradient(q), jax.lax.stop_gradient(pool), idx,
-                                  sink=sink, lse=jax.lax.stop_gradient(lse))
+        target = attention_target(self._cast(jax.lax.stop_gradient(q)),
+                                  self._cast(jax.lax.stop_gradient(pool)), idx, sink=sink,
+                                  lse=jax.lax.stop_gradient(lse),
+                                  implementation=self.implementation)
         if self.indexer is None:
             loss = jnp.zeros((), jnp.float32)
         else:
-            loss = indexer_loss(q_i, k_i, w_i, idx, target, scale=self.indexer.scale)
+            loss = indexer_loss(self._cast(q_i), self._cast(k_i), w_i, idx, target,
+                                scale=self.indexer.scale, implementation=self.implementation)
         return y, {"indexer_loss": loss, "idx": idx, "target": target}
 
     def _v32(self, x, q, kv, stage):

@@ -21,7 +21,6 @@ selection runs per batch / token shard (jax_dsa.sharding.make_indexer_topk).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -95,7 +94,7 @@ def _scores_op(scale, ratio, start, impl):
         from jax_dsa.cute import indexer as cute_indexer
         return cute_indexer.scores(q, k, w, scale=scale, ratio=ratio, start=start)
 
-    return jax.jit(lambda q, k, w: _run(impl, ref, kernel, q, k, w))
+    return jax.jit(lambda q, k, w: api.dispatch(impl, ref, kernel, q, k, w))
 
 
 @functools.lru_cache(maxsize=None)
@@ -113,19 +112,9 @@ def _topk_op(topk, scale, ratio, impl):
             from jax_dsa.cute import indexer as cute_indexer
             return cute_indexer.topk(q, k, w, start, topk, scale, ratio)
 
-        return _run(impl, ref, kernel, q, k, w, start)
+        return api.dispatch(impl, ref, kernel, q, k, w, start)
 
     return jax.jit(sharding.make_indexer_topk(local))
-
-
-def _run(impl, ref, kernel, *args):
-    """impl's function of args; "auto": the kernel when lowered for CUDA, the reference
-    elsewhere (as sparse_mla's). Called while tracing a jitted op."""
-    if impl == "xla":
-        return ref(*args)
-    if impl == "cute":
-        return kernel(*args)
-    return lax.platform_dependent(*args, cuda=kernel, default=ref)
 
 
 # ------------------------------------------------------------------------------ checks
@@ -197,23 +186,8 @@ def _warn_fallback(shape, dtype, problem):
 
 def _resolve(implementation, q, k) -> str:
     """"xla", "cute" or "auto" (the kernel when lowered for CUDA, else the reference)."""
-    names = (tuple(implementation) if isinstance(implementation, Sequence)
-             and not isinstance(implementation, str) else (implementation,))
-    if not names or any(n not in (None, "xla", "cute") for n in names) or (
-            len(names) > 1 and None in names):
-        raise ValueError("implementation must be None, 'xla', 'cute' or a sequence of 'xla' / "
-                         f"'cute'; got {implementation!r}")
-    problem = kernel_problem(q, k)
-    if names == (None,):
-        if problem and api.kernel_runtime_problem() is None:
-            _warn_fallback(q.shape, q.dtype, problem)
-        return "xla" if problem else "auto"
-    for name in names:
-        if name == "xla":
-            return "xla"
-        if problem is None:
-            return "cute"
-    raise NotImplementedError(f"implementation='cute' cannot run here: {problem}")
+    return api.choose(implementation, kernel_problem(q, k),
+                      lambda problem: _warn_fallback(q.shape, q.dtype, problem))
 
 
 # ------------------------------------------------------------------------------ reference

@@ -1,5 +1,5 @@
-"""Sharding and batching rules for the two sparse-MLA operations (forward, backward) and the
-indexer's selection.
+"""Sharding and batching rules for the sparse-MLA operations (forward, backward), the indexer's
+selection, the attention target and the indexer loss.
 
 Given kv and idx, tokens, batch entries and heads of q are independent. Under `jax.jit` with
 sharded inputs, `custom_partitioning` keeps q/o/lse (and dq) sharded over batch, tokens and heads,
@@ -8,8 +8,10 @@ partial sink gradient (over token shards) inside the partitioned computation. In
 (all mesh axes manual) custom_partitioning lowers the plain per-shard call, and shard_map's own
 transpose sums the cotangents of replicated inputs.
 
-The indexer's selection shards over batch and tokens (each token carries its position, so a
-token shard knows its start) and replicates k and the heads (the score sums over them).
+The indexer's selection and the indexer loss shard over batch and tokens (each token carries
+its position, so a token shard knows its start) and replicate k and the heads (the score sums
+over them); the loss's dk is summed over token shards. The attention target's mass (summed over
+heads) shards over batch, tokens and heads and is summed over head shards.
 
 `vmap` over any of them folds the mapped axis into the batch axis B (one call, no loop).
 """
@@ -30,6 +32,12 @@ _BWD_RULE = ("b t h d, b s d, b t k, b t, h, b t h v, b t h, b t h v, b t h"
 _REPLICATED_FACTORS = ("d", "s", "k", "v")
 # The indexer: q [b t h d], k [b s d], weights [b t h], positions [b t] -> scores, idx [b t n].
 _INDEXER_RULE = "b t h d, b s d, b t h, b t -> b t n, b t n"
+# The attention target's mass: q, kv, idx, topk_length, off [b t h] -> mass summed over heads.
+_MASS_RULE = "b t h d, b s d, b t k, b t, b t h -> b t k"
+# The indexer loss: q, k, weights, idx, topk_length, target [b t k] -> KL per token; the
+# backward adds the cotangent g [b t] and returns dq, dk (fp32), dweights.
+_LOSS_FWD_RULE = "b t h d, b s d, b t h, b t k, b t, b t k -> b t"
+_LOSS_BWD_RULE = "b t h d, b s d, b t h, b t k, b t, b t k, b t -> b t h d, b s d, b t h"
 
 
 def _entries(sharding, ndim: int):
@@ -172,3 +180,74 @@ def make_indexer_topk(local: Callable):
     op.def_partition(partition=partition, infer_sharding_from_operands=infer,
                      sharding_rule=_INDEXER_RULE, need_replication_factors=("h", "d", "s", "n"))
     return _fold_vmap(op, num_outputs=2, sink_pos=None)
+
+
+def _partitioned(local: Callable, rule: str, replicated: tuple[str, ...], specs: Callable,
+                 reduce: Callable | None, num_outputs: int, sink_pos: int | None = None):
+    """custom_partitioning of `local` (returns a tuple of arrays) with `specs(arg_shapes)` ->
+    (argument specs, output specs) and `reduce(arg_shapes, outputs)` summing partial outputs
+    inside the partitioned computation; vmappable (_fold_vmap)."""
+    op = custom_partitioning(local)
+
+    def infer(mesh, arg_shapes, result_shape):
+        return _named(mesh, specs(arg_shapes)[1])
+
+    def partition(mesh, arg_shapes, result_shape):
+        args, outs = specs(arg_shapes)
+
+        def lower(*shard_args):
+            out = local(*shard_args)
+            return reduce(arg_shapes, out) if reduce else out
+
+        return mesh, lower, _named(mesh, outs), _named(mesh, args)
+
+    op.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                     sharding_rule=rule, need_replication_factors=replicated)
+    return _fold_vmap(op, num_outputs=num_outputs, sink_pos=sink_pos)
+
+
+def make_attention_mass(local: Callable):
+    """Partitioned, vmappable (q, kv, idx, topk_length, off) -> (mass [B, T, K],): each entry's
+    attention mass summed over the heads; a head shard's partial sum is summed over head
+    shards."""
+    def specs(arg_shapes):
+        b, t, h = _q_layout(arg_shapes)
+        return ((P(b, t, h, None), P(b, None, None), P(b, t, None), P(b, t), P(b, t, h)),
+                (P(b, t, None),))
+
+    def reduce(arg_shapes, out):
+        heads = _axes(_q_layout(arg_shapes)[2])
+        return tuple(jax.lax.psum(x, heads) for x in out) if heads else out
+
+    return _partitioned(local, _MASS_RULE, ("d", "s", "k"), specs, reduce, 1)
+
+
+def _loss_specs(arg_shapes):
+    b, t, _ = _q_layout(arg_shapes)
+    return (P(b, t, None, None), P(b, None, None), P(b, t, None), P(b, t, None), P(b, t),
+            P(b, t, None))
+
+
+def make_indexer_loss_fwd(local: Callable):
+    """Partitioned, vmappable (q, k, weights, idx, topk_length, target) -> (KL [B, T],)."""
+    def specs(arg_shapes):
+        b, t, _ = _q_layout(arg_shapes)
+        return _loss_specs(arg_shapes), (P(b, t),)
+
+    return _partitioned(local, _LOSS_FWD_RULE, ("h", "d", "s", "k"), specs, None, 1)
+
+
+def make_indexer_loss_bwd(local: Callable):
+    """Partitioned, vmappable (q, k, weights, idx, topk_length, target, g) ->
+    (dq, dk fp32, dweights): dk is summed over token shards."""
+    def specs(arg_shapes):
+        b, t, _ = _q_layout(arg_shapes)
+        return (_loss_specs(arg_shapes) + (P(b, t),),
+                (P(b, t, None, None), P(b, None, None), P(b, t, None)))
+
+    def reduce(arg_shapes, out):
+        tokens = _axes(_q_layout(arg_shapes)[1])
+        dq, dk, dw = out
+        return (dq, jax.lax.psum(dk, tokens) if tokens else dk, dw)
+
+    return _partitioned(local, _LOSS_BWD_RULE, ("h", "d", "s", "k"), specs, reduce, 3)

@@ -81,7 +81,6 @@ print("indexer memcheck case done")
 
 # The attention-target kernel: padded heads, invalid entries (both sides of [0, S)), partial
 # lists, K not a multiple of the 64-entry block.
-from jax_dsa.cute import target  # noqa: E402
 
 for h, d in ((100, 576), (5, 512)):
     t, s = 6, 90
@@ -89,7 +88,8 @@ for h, d in ((100, 576), (5, 512)):
     kv = jnp.asarray(rng.standard_normal((2, s, d)), jnp.bfloat16)
     idx = jnp.asarray(rng.integers(-40, s + 40, (2, t, 70)).astype(np.int32))
     tl = jnp.asarray(rng.integers(0, 71, (2, t)).astype(np.int32))
-    tg = target.attention_target(q, kv, idx, sink=jnp.zeros(h), topk_length=tl)
+    tg = jax_dsa.attention_target(q, kv, idx, sink=jnp.zeros(h), topk_length=tl,
+                                  implementation="cute")
     jax.block_until_ready(tg)
     assert np.isfinite(np.asarray(tg)).all()
     print(f"target H={h} Dqk={d}: ok")

@@ -1,9 +1,13 @@
 """The Hopper indexer-loss kernels (jax_dsa.cute.indexer_loss, ffi/kernels/sm90/indexer_loss.py:
-the per-token KL and its gradients) against the float64 oracles (GPU only)."""
+the per-token KL and its gradients) against the float64 oracles (GPU only), directly and through
+jax_dsa.indexer_loss."""
 import numpy as np
 import pytest
 
+import jax
 import jax.numpy as jnp
+
+import jax_dsa
 
 from cases import rel_err
 from oracle import indexer_loss_grads, indexer_kl
@@ -80,3 +84,35 @@ def test_indexer_loss_kernel_matches_the_oracle(case, dtype):
     want_kl = indexer_kl(q, kk, w, idx, lengths, target, scale)
     np.testing.assert_allclose(kl, want_kl, rtol=1e-3, atol=1e-5)
     assert kl[0, 0] == 0  # the dead token
+
+
+def test_public_indexer_loss_runs_the_kernels():
+    """jax_dsa.indexer_loss (default and implementation="cute") on bf16 inputs: the KL and the
+    gradients of sum_t g_t KL_t are the oracles'; deterministic=True (the reference's backward)
+    agrees and repeats bitwise."""
+    _kernel_or_skip()
+    b, t, h, s, k, scale = 2, 7, 64, 3000, 512, 128 ** -0.5
+    q, kk, w, idx, lengths, target, g = _problem(np.random.default_rng(21), b, t, h, s, k,
+                                                 jnp.bfloat16)
+    args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(kk, jnp.bfloat16), jnp.asarray(w))
+
+    def run(impl, deterministic=False):
+        def f(q, k, w):
+            kl = jax_dsa.indexer_loss(q, k, w, jnp.asarray(idx), jnp.asarray(target),
+                                      scale=scale, topk_length=jnp.asarray(lengths),
+                                      reduction="none", deterministic=deterministic,
+                                      implementation=impl)
+            return jnp.sum(jnp.asarray(g) * kl), kl
+        (_, kl), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(*args)
+        return kl, grads
+
+    want_dq, want_dk, want_dw = indexer_loss_grads(q, kk, w, idx, lengths, target, g, scale)
+    want_kl = indexer_kl(q, kk, w, idx, lengths, target, scale)
+    for impl, det in ((None, False), ("cute", False), ("cute", True)):
+        kl, (dq, dk, dw) = run(impl, det)
+        np.testing.assert_allclose(np.asarray(kl), want_kl, rtol=1e-3, atol=1e-5)
+        assert rel_err(dq, want_dq) < 1e-2, (impl, det, rel_err(dq, want_dq))
+        assert rel_err(dk, want_dk) < 1e-2, (impl, det, rel_err(dk, want_dk))
+        assert rel_err(dw, want_dw) < 1e-3, (impl, det, rel_err(dw, want_dw))
+    again = run("cute", True)[1][1]
+    assert np.asarray(again).tobytes() == np.asarray(dk).tobytes()

@@ -1,6 +1,7 @@
 """The Hopper attention-target kernel (jax_dsa.cute.target, ffi/kernels/sm90/attention_target.py)
-against the float64 oracle (GPU only). The kernel's output is poisoned (NaN-filled before the
-launch), so an element it fails to write shows."""
+against the float64 oracle (GPU only), through jax_dsa.attention_target(implementation="cute")
+and directly with its output poisoned (NaN-filled before the launch), so an element it fails to
+write shows."""
 import dataclasses
 
 import numpy as np
@@ -48,30 +49,41 @@ def test_target_kernel_matches_the_oracle(case, dtype):
     p = dataclasses.replace(p, q=q, kv=kv)
     tl = None if p.topk_length is None else jnp.asarray(p.topk_length)
     sink_arg = None if p.sink is None else jnp.asarray(p.sink)
-    got = np.asarray(target.attention_target(jnp.asarray(q, dtype), jnp.asarray(kv, dtype),
-                                             jnp.asarray(p.idx), scale=p.scale, sink=sink_arg,
-                                             topk_length=tl, poison_outputs=True))
+    args = (jnp.asarray(q, dtype), jnp.asarray(kv, dtype), jnp.asarray(p.idx))
+    kw = dict(scale=p.scale, sink=sink_arg, topk_length=tl)
+    got = np.asarray(jax_dsa.attention_target(*args, **kw, implementation="cute"))
     want = oracle_target(p, p.scale)
     assert np.all(np.isfinite(got))
     assert rel_err(got, want) < 2e-4, rel_err(got, want)
     np.testing.assert_array_equal(got[0, 0], 0.0)  # the dead token
+    assert np.asarray(jax_dsa.attention_target(*args, **kw)).tobytes() == got.tobytes()  # default
+    # The kernel itself, its output poisoned: every element written, the same masses.
+    from jax_dsa.training import offsets
+    _, lse = jax_dsa.sparse_mla(*args, **kw, return_lse=True)
+    sink_c = jnp.full((h,), -jnp.inf) if sink_arg is None else sink_arg
+    tl_c = jnp.full((b, t), k, jnp.int32) if tl is None else tl
+    off = offsets(lse, sink_c)
+    mass = [np.asarray(target.mass(*args, tl_c, off, p.scale, poison_outputs=poison))
+            for poison in (True, False)]
+    assert np.all(np.isfinite(mass[0]))
+    np.testing.assert_array_equal(mass[0], mass[1])
     # The public reference on the same inputs (float32) agrees as closely.
     ref = np.asarray(jax_dsa.attention_target(jnp.asarray(q), jnp.asarray(kv),
-                                              jnp.asarray(p.idx), scale=p.scale, sink=sink_arg,
-                                              topk_length=tl))
+                                              jnp.asarray(p.idx), **kw))
     assert rel_err(got, ref) < 2e-4
 
 
 def test_target_kernel_with_the_forward_kernels_lse():
     """lse given (from the forward kernel) or computed inside: the same target."""
     _kernel_or_skip()
-    from jax_dsa.cute import target
     p = make_problem(np.random.default_rng(5), 1, 8, 128, 576, 500, 200, sink=True,
                      topk="partial")
     q, kv = jnp.asarray(p.q, jnp.bfloat16), jnp.asarray(p.kv, jnp.bfloat16)
     idx, tl, sink = jnp.asarray(p.idx), jnp.asarray(p.topk_length), jnp.asarray(p.sink)
     _, lse = jax_dsa.sparse_mla(q, kv, idx, scale=p.scale, sink=sink, topk_length=tl,
                                 return_lse=True)
-    a = target.attention_target(q, kv, idx, scale=p.scale, sink=sink, topk_length=tl, lse=lse)
-    b = target.attention_target(q, kv, idx, scale=p.scale, sink=sink, topk_length=tl)
+    a = jax_dsa.attention_target(q, kv, idx, scale=p.scale, sink=sink, topk_length=tl, lse=lse,
+                                 implementation="cute")
+    b = jax_dsa.attention_target(q, kv, idx, scale=p.scale, sink=sink, topk_length=tl,
+                                 implementation="cute")
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

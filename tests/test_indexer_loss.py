@@ -150,62 +150,148 @@ def emulated_target_kernel(q, kv, idx, topk_length, off, *, scale, poison_output
     return p.reshape(b, t, n_hb, 64, k).sum(axis=3)
 
 
+def _mesh(shape, names):
+    from jax.sharding import Mesh
+    return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
+
+
+def _put(x, mesh, *spec):
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    return jax.device_put(jnp.asarray(x), NamedSharding(mesh, P(*spec)))
+
+
 @pytest.mark.parametrize("sink,topk,h", [(False, "none", 3), (True, "partial", 70)])
 def test_target_kernel_path_with_an_emulated_kernel(monkeypatch, sink, topk, h):
-    """jax_dsa.cute.target.run (the offsets logaddexp(lse, sink) with +inf for dead heads, the
-    sum of the head blocks, the normalisation) with the target kernel replaced by a jnp
-    emulation of its contract: the float64 oracle's target."""
-    from jax_dsa.cute import ffi, target as cute_target
-    monkeypatch.setattr(ffi, "attention_mass", emulated_target_kernel)
-    p = make_problem(np.random.default_rng(4), 2, 5, h, 16, 12, 7, sink=sink, topk=topk)
+    """The kernel path of jax_dsa.attention_target (the offsets logaddexp(lse, sink) with +inf
+    for dead heads, the sum of the head blocks, the normalisation) with the target kernel
+    replaced by a jnp emulation of its contract: the float64 oracle's target, unsharded and
+    with tokens and heads sharded (the head shards' masses summed before normalising)."""
+    from jax_dsa import training as indexer_loss
+    from jax_dsa.cute import ffi
+    calls = []
+
+    def kernel(q, *args, **kw):
+        calls.append(q.shape)
+        return emulated_target_kernel(q, *args, **kw)
+
+    monkeypatch.setattr(ffi, "attention_mass", kernel)
+    indexer_loss._mass_op.cache_clear()
+    p = make_problem(np.random.default_rng(4), 2, 8, h, 16, 12, 7, sink=sink, topk=topk)
     sink_arr = jnp.full((h,), -jnp.inf) if p.sink is None else jnp.asarray(p.sink)
     _, lse = jax_dsa.sparse_mla(p.q, p.kv, jnp.asarray(p.idx), scale=p.scale,
                                 sink=None if p.sink is None else sink_arr,
                                 topk_length=jnp.asarray(p.lengths), return_lse=True)
-    got = np.asarray(cute_target.run(jnp.asarray(p.q), jnp.asarray(p.kv), jnp.asarray(p.idx),
-                                     jnp.asarray(p.lengths), sink_arr, lse, p.scale))
+    off = indexer_loss.offsets(lse, sink_arr)
+    op = indexer_loss._mass_op(p.scale, "cute")
+    args = (jnp.asarray(p.q, jnp.float32), jnp.asarray(p.kv, jnp.float32), jnp.asarray(p.idx),
+            jnp.asarray(p.lengths), off)
     want = np_target(p, p.scale)
+    got = np.asarray(indexer_loss.normalise(op(*args)[0]))
     assert rel_err(got, want) < 1e-5
     np.testing.assert_array_equal(got[0, 0], 0.0)  # the dead token
+    if jax.device_count() >= 8 and h % 2 == 0:
+        mesh = _mesh((2, 2, 2), ("data", "tokens", "heads"))
+        sharded = (_put(args[0], mesh, "data", "tokens", "heads"), _put(args[1], mesh, "data"),
+                   _put(args[2], mesh, "data", "tokens"), _put(args[3], mesh, "data", "tokens"),
+                   _put(args[4], mesh, "data", "tokens", "heads"))
+        got = np.asarray(indexer_loss.normalise(op(*sharded)[0]))
+        assert rel_err(got, want) < 1e-5
+        assert (1, 4, h // 2, 16) in calls, calls  # the kernel ran on one shard's heads
+    indexer_loss._mass_op.cache_clear()
 
 
 def emulated_loss_kernel(q, k, w, idx, topk_length, target, g, *, scale):
     """The loss kernel's contract in jnp (ffi.indexer_loss_bwd): float32 (dq, dw, dk) of
     sum_t g_t KL_t, dk added only at valid entries."""
-    from jax_dsa.indexer_loss import _kl
-    f = lambda q, k, w: jnp.sum(g * _kl(q, k, w, idx, topk_length, target, scale,  # noqa
-                                        False))
-    dq, dk, dw = jax.grad(f, argnums=(0, 1, 2))(q.astype(jnp.float32), k.astype(jnp.float32),
-                                                w.astype(jnp.float32))
+    from jax_dsa.training import reference_kl_grads
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    dq, dk, dw = reference_kl_grads(f32(q), f32(k), f32(w), idx, topk_length, f32(target),
+                                    f32(g), scale)
     return dq, dw, dk
 
 
 def emulated_loss_fwd_kernel(q, k, w, idx, topk_length, target, *, scale):
     """The loss kernel's forward contract in jnp (ffi.indexer_loss_fwd): the per-token KL."""
-    from jax_dsa.indexer_loss import _kl
-    return _kl(q.astype(jnp.float32), k.astype(jnp.float32), w.astype(jnp.float32), idx,
-               topk_length, target, scale, False)
+    from jax_dsa.training import reference_kl
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    return reference_kl(f32(q), f32(k), f32(w), idx, topk_length, f32(target), scale)
 
 
 def test_loss_kernel_path_with_an_emulated_kernel(monkeypatch):
-    """jax_dsa.cute.indexer_loss.forward / backward (argument order, the casts to the inputs'
-    dtypes) with the kernels replaced by jnp emulations of their contracts: the float64
-    oracles' KL and gradients."""
-    from jax_dsa.cute import ffi, indexer_loss as cute_loss
+    """The kernel path of jax_dsa.indexer_loss (the custom_vjp on the kernel ops, argument
+    order, the casts) with the kernels replaced by jnp emulations of their contracts: the
+    float64 oracles' KL and gradients, unsharded and with batch and tokens sharded (dk summed
+    over the token shards)."""
+    from jax_dsa import training as indexer_loss
+    from jax_dsa.cute import ffi
     from oracle import indexer_loss_grads
-    monkeypatch.setattr(ffi, "indexer_loss_bwd", emulated_loss_kernel)
+    calls = []
+
+    def bwd(q, *args, **kw):
+        calls.append(q.shape)
+        return emulated_loss_kernel(q, *args, **kw)
+
+    monkeypatch.setattr(ffi, "indexer_loss_bwd", bwd)
     monkeypatch.setattr(ffi, "indexer_loss_fwd", emulated_loss_fwd_kernel)
-    q, k, w, idx, lengths, target = _loss_problem(seed=6)
+    for op in (indexer_loss._loss_fwd_op, indexer_loss._loss_bwd_op):
+        op.cache_clear()
+    q, k, w, idx, lengths, target = _loss_problem(seed=6, t=8)
     g = np.random.default_rng(7).standard_normal(idx.shape[:2])
-    got = cute_loss.backward(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32),
-                             jnp.asarray(w, jnp.float32), jnp.asarray(idx),
-                             jnp.asarray(lengths), jnp.asarray(target, jnp.float32),
-                             jnp.asarray(g, jnp.float32), 0.7)
+    args = [jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32),
+            jnp.asarray(w, jnp.float32), jnp.asarray(idx), jnp.asarray(lengths),
+            jnp.asarray(target, jnp.float32)]
     want = indexer_loss_grads(q, k, w, idx, lengths, target, g, 0.7)
-    for a, b in zip(got, want):
-        assert a.dtype == jnp.float32
-        assert rel_err(a, b) < 1e-5, rel_err(a, b)
-    kl = cute_loss.forward(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32),
-                           jnp.asarray(w, jnp.float32), jnp.asarray(idx), jnp.asarray(lengths),
-                           jnp.asarray(target, jnp.float32), 0.7)
-    assert rel_err(kl, np_kl(q, k, w, idx, lengths, target, 0.7)) < 1e-5
+    want_kl = np_kl(q, k, w, idx, lengths, target, 0.7)
+
+    def run(q, k, w, idx, tl, tgt):
+        f = lambda q, k, w: jnp.sum(jnp.asarray(g, jnp.float32) * indexer_loss._kl(  # noqa
+            q, k, w, idx, tl, tgt, 0.7, False, "cute"))
+        return (indexer_loss._kl(q, k, w, idx, tl, tgt, 0.7, False, "cute"),
+                jax.grad(f, argnums=(0, 1, 2))(q, k, w))
+
+    checks = [args]
+    if jax.device_count() >= 8:
+        mesh = _mesh((2, 4), ("data", "tokens"))
+        checks.append([_put(args[0], mesh, "data", "tokens"), _put(args[1], mesh, "data"),
+                       _put(args[2], mesh, "data", "tokens"),
+                       _put(args[3], mesh, "data", "tokens"),
+                       _put(args[4], mesh, "data", "tokens"),
+                       _put(args[5], mesh, "data", "tokens")])
+    for a in checks:
+        kl, grads = jax.jit(run)(*a)
+        assert rel_err(kl, want_kl) < 1e-5
+        for got, ref in zip(grads, want):
+            assert got.dtype == jnp.float32
+            assert rel_err(got, ref) < 1e-5, rel_err(got, ref)
+    if len(checks) > 1:
+        assert (1, 2, 3, 8) in calls, calls  # one shard: a batch entry, 2 tokens
+    for op in (indexer_loss._loss_fwd_op, indexer_loss._loss_bwd_op):
+        op.cache_clear()
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+def test_target_and_loss_under_jit_with_sharded_inputs():
+    """The public functions (the reference here) under jit with batch, tokens and heads
+    sharded give the unsharded results; so do the loss's gradients."""
+    p = make_problem(np.random.default_rng(14), 2, 8, 4, 16, 12, 7, sink=True, topk="partial")
+    args = (jnp.asarray(p.q), jnp.asarray(p.kv), jnp.asarray(p.idx))
+    kw = dict(scale=p.scale, sink=jnp.asarray(p.sink), topk_length=jnp.asarray(p.lengths))
+    want = np.asarray(jax_dsa.attention_target(*args, **kw))
+    mesh = _mesh((2, 2, 2), ("data", "tokens", "heads"))
+    got = jax.jit(lambda q, kv, idx: jax_dsa.attention_target(q, kv, idx, **kw))(
+        _put(args[0], mesh, "data", "tokens", "heads"), _put(args[1], mesh, "data"),
+        _put(args[2], mesh, "data", "tokens"))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-7)
+
+    q, k, w, idx, lengths, target = _loss_problem(seed=15, t=8)
+    f = lambda q, k, w: jax_dsa.indexer_loss(q, k, w, idx, target, scale=0.7,  # noqa: E731
+                                             topk_length=lengths)
+    vg = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+    want_v, want_g = vg(*(jnp.asarray(x, jnp.float32) for x in (q, k, w)))
+    mesh = _mesh((2, 4), ("data", "tokens"))
+    got_v, got_g = vg(_put(np.float32(q), mesh, "data", "tokens"),
+                      _put(np.float32(k), mesh, "data"),
+                      _put(np.float32(w), mesh, "data", "tokens"))
+    np.testing.assert_allclose(float(got_v), float(want_v), rtol=1e-5)
+    for a, b in zip(got_g, want_g):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)

@@ -6,9 +6,6 @@ Inputs are canonical (jax_dsa/indexer_loss.py): q [B, T, Hi, 128] bf16/f16 with 
 token recomputes the selected scores and their softmax; the forward writes the token's KL, the
 backward dq and dweights and adds dk (fp32 atomics, never at an invalid entry); no
 [B, T, Hi, K] array is formed.
-
-Not yet what `jax_dsa.indexer_loss` runs (the reference): `forward` / `backward` below are
-reached by the GPU tests (tests/test_gpu_indexer_loss.py) until the kernels have run there.
 """
 from __future__ import annotations
 
@@ -40,6 +37,6 @@ def forward(q, k, w, idx, topk_length, target, scale):
 
 
 def backward(q, k, w, idx, topk_length, target, g, scale):
-    """(dq in q's dtype, dk in k's dtype, dweights in w's dtype) of sum_t g[b, t] KL_t."""
+    """(dq, dk, dweights), float32, of sum_t g[b, t] KL_t."""
     dq, dw, dk = ffi.indexer_loss_bwd(q, k, w, idx, topk_length, target, g, scale=scale)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dw.astype(w.dtype)
+    return dq, dk, dw
