@@ -2,7 +2,8 @@
 //
 // JaxDsaAttentionTargetSm90: each entry's attention mass summed over each block of 64 heads
 // (ffi/kernels/sm90/attention_target.py, exported by ffi/build.py as
-// jax_dsa_attention_target_<dtype>_d<Dqk>, listed in JAX_DSA_TARGET_SPECS).
+// jax_dsa_attention_target_h<64|128>_<dtype>_d<Dqk>, listed in JAX_DSA_TARGET_SPECS: 64 heads
+// per CTA for H <= 64, 128 for H > 64, so that a token's rows are gathered once).
 //   args:  q [B, T, H, Dqk] bf16/f16, kv [B, S, Dqk] (dtype of q), idx [B, T, K] int32,
 //          topk_length [B, T] int32, off [B, T, H] f32 (logaddexp(lse, sink); +inf: dead head)
 //   attrs: scale (f32), poison (int32, tests: NaN-fill mass before the launch, so that
@@ -68,7 +69,8 @@ ffi::Error AttentionTarget(cudaStream_t stream, int32_t device, ffi::AnyBuffer q
                Dims(mass->dimensions()));
   if (x.B * x.T == 0) return ffi::Error::Success();
 
-  const std::string name = std::string("jax_dsa_attention_target_") +
+  const std::string name = std::string("jax_dsa_attention_target_h") +
+                           (x.H > 64 ? "128_" : "64_") +
                            (q.element_type() == ffi::DataType::BF16 ? "bf16" : "f16") + "_d" +
                            std::to_string(x.D);
   KernelTable<TargetArgs>::Launch launch = TargetKernels().Find(name);

@@ -75,10 +75,12 @@ def exports():
         for part in ("fwd", "bwd"):
             out.append((f"loss_{part}", f"jax_dsa_indexer_loss_{part}_{dt}", "indexer_loss",
                         f"compile_indexer_loss_{part}", dict(dtype=dt)))
-    for dt in DTYPES:  # the indexer's training target (attention mass per head block)
-        for d in c.HEAD_DIMS:
-            out.append(("target", f"jax_dsa_attention_target_{dt}_d{d}", "attention_target",
-                        "compile_attention_target", dict(dtype=dt, d_qk=d)))
+    for dt in DTYPES:  # the indexer's training target (attention mass per head block),
+        for d in c.HEAD_DIMS:  # 64 heads per CTA (H <= 64) or 128 (a token's rows read once)
+            for heads in (64, 128):
+                out.append(("target", f"jax_dsa_attention_target_h{heads}_{dt}_d{d}",
+                            "attention_target", "compile_attention_target",
+                            dict(dtype=dt, d_qk=d, heads=heads)))
     for g in c.GROUPS:  # the grouped backward's list union, with every hash-table size
         for t in c.UNION_TABLES:
             out.append(("union", f"jax_dsa_group_union_g{g}_t{t}", "group_union",

@@ -13,19 +13,23 @@ Layouts (flattened row-major): q (B*T*H, Dqk), kv (B*S, Dqk), idx (B*T*K,) int32
 topk_length (B*T,) int32, off (B*T*H,) float32, mass (B*T*n_hb*K,) float32 with
 n_hb = ceil(H / 64); every element of mass is written.
 
-Grid (B*T*n_hb): a token's head blocks adjacent (they gather the same rows while those are in
-L2); 128 threads = one warpgroup, one CTA per SM. The 64 head rows of Q go to shared memory
-once (heads >= H zero-filled, never read from global), then the token's list is walked in
-blocks of 64 entries through a two-stage ring: the gather of block n + 1 (16-byte cp.async, 8
-threads per row; invalid entries are zero-filled rows that read nothing) runs under block n's
-S = Q K^T (wgmma 64 x 64 x 16, both operands K-major with the 128-byte swizzle in shared
-memory, Dqk / 16 k-steps) and its epilogue: p = exp2(S scale log2(e) - off log2(e)), masked
-to the valid entries, summed over each thread's two head rows, across the 8 lanes that hold
-the same columns (shuffles) and across the 4 warps (shared memory); one store per entry.
-Shared memory: Q 64 x Dqk + 2 x 64 x Dqk (216 KB at Dqk 576) + 1 KB of partial sums.
+Two variants (`heads`): 64 heads per CTA (H <= 64) and 128 (64 < H <= 128). Grid: one CTA
+per token and 64-head block (heads 64; a token's head blocks adjacent) or per token (heads 128:
+each row is gathered once for all the token's heads). One warpgroup per 64 heads (128 or 256
+threads), one CTA per SM. Each warpgroup's 64 head rows of Q go to shared memory once (heads
+>= H zero-filled, never read from global), then the token's list is walked in blocks of BN
+entries (64; 32 with 128 heads, for shared memory) through a two-stage ring that all threads
+fill: the gather of block n + 1 (16-byte cp.async, 8 threads per row; invalid entries are
+zero-filled rows that read nothing) runs under block n's S = Q K^T (per warpgroup, wgmma
+64 x BN x 16, both operands K-major with the 128-byte swizzle in shared memory, Dqk / 16
+k-steps) and its epilogue: p = exp2(S scale log2(e) - off log2(e)), masked to the valid
+entries, summed over each thread's two head rows, across the 8 lanes that hold the same
+columns (shuffles) and across the warpgroup's 4 warps (shared memory); one store per entry and
+head block. Shared memory: Q heads x Dqk + 2 x BN x Dqk (216 KB at Dqk 576 either way) + 1 KB
+of partial sums.
 
-Entry point: compile_attention_target(dtype, d_qk); ffi/build.py exports it as
-jax_dsa_attention_target_<dtype>_d<Dqk> (ffi/attention_target.cc).
+Entry point: compile_attention_target(dtype, d_qk, heads); ffi/build.py exports it as
+jax_dsa_attention_target_h<heads>_<dtype>_d<Dqk> (ffi/attention_target.cc picks by H).
 """
 
 import cutlass
@@ -35,34 +39,41 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 import cuda.bindings.driver as cuda
 
-from .common import (LOG2_E, ROW_COPY_THREADS as THREADS, ROW_COPY_TPR as TPR, acc_mn_view,
-                     gather_rows_sw128, head_sums, load_rows_sw128)
+from .common import (LOG2_E, ROW_COPY_THREADS as WG_THREADS, ROW_COPY_TPR as TPR,
+                     acc_mn_view, gather_rows_sw128, head_sums, load_rows_sw128)
 
-BM = 64  # heads per CTA
-BN = 64  # entries per block
+BM = 64  # heads per warpgroup
 
 
 class AttentionTargetSm90:
-    def __init__(self, dtype, d_qk: int):
-        assert d_qk in (512, 576)
+    def __init__(self, dtype, d_qk: int, heads: int = 64):
+        assert d_qk in (512, 576) and heads in (64, 128)
         self.dtype = dtype
         self.d_qk = d_qk
-        self.tile_bytes = BM * d_qk * 2  # one 64-row tile (Q, or one ring stage)
+        self.wgs = heads // BM  # warpgroups per CTA, one per 64 heads
+        self.threads = WG_THREADS * self.wgs
+        self.bn = 64 if self.wgs == 1 else 32  # entries per block
+        self.q_bytes = BM * d_qk * 2  # one warpgroup's Q tile
+        self.stage_bytes = self.bn * d_qk * 2  # one ring stage
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor, mLen: cute.Tensor,
                  mOff: cute.Tensor, mMass: cute.Tensor, B: cutlass.Int32, T: cutlass.Int32,
                  H: cutlass.Int32, S: cutlass.Int32, K: cutlass.Int32, scale: cutlass.Float32,
                  stream: cuda.CUstream):
+        BN = self.bn
         k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128,
                                                  self.dtype)
-        tile_layout = cute.tile_to_shape(k_atom, (BM, self.d_qk), (0, 1))
+        q_layout = cute.tile_to_shape(k_atom, (BM, self.d_qk), (0, 1))
+        kv_layout = cute.tile_to_shape(k_atom, (BN, self.d_qk), (0, 1))
 
         @cute.struct
         class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, BM * self.d_qk], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, self.wgs * BM * self.d_qk],
+                                  1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, 2 * BN * self.d_qk], 1024]
-            sPart: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * BN], 16]
+            sPart: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * self.wgs * BN],
+                                     16]
             sRow: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * BN], 16]
 
         mma = sm90_utils.make_trivial_tiled_mma(
@@ -70,20 +81,28 @@ class AttentionTargetSm90:
             cutlass.Float32, (1, 1, 1), (BM, BN))
         n_hb = (H + BM - 1) // BM
         self.kernel(mQ, mKV, mIdx, mLen, mOff, mMass, T, H, S, K, n_hb, scale, k_atom.inner,
-                    tile_layout.outer, mma, SharedStorage).launch(
-            grid=[B * T * n_hb, 1, 1], block=[THREADS, 1, 1],
+                    q_layout.outer, kv_layout.outer, mma, SharedStorage).launch(
+            grid=[B * T * (n_hb // self.wgs), 1, 1], block=[self.threads, 1, 1],
             smem=SharedStorage.size_in_bytes(), min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor, mLen: cute.Tensor,
                mOff: cute.Tensor, mMass: cute.Tensor, T: cutlass.Int32, H: cutlass.Int32,
                S: cutlass.Int32, K: cutlass.Int32, n_hb: cutlass.Int32, scale: cutlass.Float32,
-               swz: cute.Swizzle, tile_layout: cute.Layout, mma: cute.TiledMma,
-               SharedStorage: cutlass.Constexpr):
+               swz: cute.Swizzle, q_layout: cute.Layout, kv_layout: cute.Layout,
+               mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+        BN = self.bn
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
+        wg = 0  # this thread's warpgroup, and the thread within it
+        wtid = tidx
         hb = cta % n_hb
         bt32 = cta // n_hb
+        if cutlass.const_expr(self.wgs > 1):  # n_hb = 2: one CTA per token
+            wg = tidx // WG_THREADS
+            wtid = tidx % WG_THREADS
+            hb = wg
+            bt32 = cta
         bt = cutlass.Int64(bt32)
         b = bt32 // T
         h0 = hb * BM
@@ -95,23 +114,22 @@ class AttentionTargetSm90:
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        sPart = storage.sPart.get_tensor(cute.make_layout(4 * BN))
+        sPart = cute.make_tensor(storage.sPart.data_ptr() + wg * (4 * BN),
+                                 cute.make_layout(4 * BN))
         sRow = storage.sRow.get_tensor(cute.make_layout(2 * BN))
-        q_smem = storage.sQ.data_ptr().toint()
+        q_smem = storage.sQ.data_ptr().toint() + wg * self.q_bytes
         kv_smem = storage.sKV.data_ptr().toint()
 
         # ---- slots past the blocks the list fills: zero ----
-        for j in cutlass.range(n_blocks * BN + tidx, K, THREADS, unroll=1):
+        for j in cutlass.range(n_blocks * BN + wtid, K, WG_THREADS, unroll=1):
             mMass[mass_base + cutlass.Int64(j)] = cutlass.Float32(0.0)
 
-        # ---- Q's 64 head rows (heads >= H: zeros, nothing read) ----
-        row = tidx // TPR
-        sub = tidx % TPR
+        # ---- the warpgroup's 64 head rows of Q (heads >= H: zeros, nothing read) ----
         load_rows_sw128(mQ.iterator.toint(), bt * cutlass.Int64(H) + cutlass.Int64(h0), H - h0,
-                        q_smem, row, sub, BM, self.d_qk * 2)
+                        q_smem, wtid // TPR, wtid % TPR, BM, self.d_qk * 2)
 
         # ---- this thread's two head rows: off in log2 units (+inf: dead or padded head) ----
-        thr = mma.get_slice(tidx)
+        thr = mma.get_slice(wtid)
         tScS = acc_mn_view(thr.partition_C(cute.make_identity_tensor((BM, BN))))
         scale_log2 = scale * LOG2_E
         off_r = cute.make_rmem_tensor(2, cutlass.Float32)
@@ -122,35 +140,40 @@ class AttentionTargetSm90:
                 v = mOff[bt * cutlass.Int64(H) + cutlass.Int64(h)] * LOG2_E
             off_r[r] = v
 
+        # ---- the ring: every thread of the CTA gathers ----
+        row = tidx // TPR
+        sub = tidx % TPR
         kv_addr = mKV.iterator.toint()
         if n_blocks > 0:
             gather_rows_sw128(mIdx, kv_addr, kv_smem, sRow, 0, 0, k_eff, idx_base, kv_batch, S,
-                              row, sub, BN, self.d_qk * 2)
+                              row, sub, BN, self.d_qk * 2, self.threads)
         cute.arch.cp_async_commit_group()
 
-        sQ = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(), swizzle_=swz), tile_layout)
+        q_sw = cute.recast_ptr(storage.sQ.data_ptr(), swizzle_=swz)
+        sQ = cute.make_tensor(q_sw + cute.assume(wg * (BM * self.d_qk), divby=4096), q_layout)
         tSrQ = thr.make_fragment_A(thr.partition_A(sQ))
         kv_sw = cute.recast_ptr(storage.sKV.data_ptr(), swizzle_=swz)
+        stage_align = 4096 if (BN * self.d_qk) % 4096 == 0 else 1024
         acc = thr.make_fragment_C(thr.partition_shape_C((BM, BN)))
         S_mn = acc_mn_view(acc)
         nc = cute.size(S_mn, mode=[1])
         vals = cute.make_rmem_tensor(nc, cutlass.Float32)
         for blk in cutlass.range(n_blocks, unroll=1):
             st = blk % 2
-            # Block blk + 1's gather into the other stage (read by block blk - 1's GEMM, which
+            # Block blk + 1's gather into the other stage (read by block blk - 1's GEMMs, which
             # every warp has waited for before the previous iteration's last barrier).
             if blk + 1 < n_blocks:
-                gather_rows_sw128(mIdx, kv_addr, kv_smem + (1 - st) * self.tile_bytes, sRow,
+                gather_rows_sw128(mIdx, kv_addr, kv_smem + (1 - st) * self.stage_bytes, sRow,
                                   1 - st, blk + 1, k_eff, idx_base, kv_batch, S, row, sub, BN,
-                                  self.d_qk * 2)
+                                  self.d_qk * 2, self.threads)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(1)  # this thread's copies of block blk (and Q)
             # cp.async writes (generic proxy) -> wgmma reads (async proxy), then all threads'.
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier()
 
-            sK = cute.make_tensor(kv_sw + cute.assume(st * (BN * self.d_qk), divby=4096),
-                                  tile_layout)
+            sK = cute.make_tensor(kv_sw + cute.assume(st * (BN * self.d_qk), divby=stage_align),
+                                  kv_layout)
             tSrK = thr.make_fragment_B(thr.partition_B(sK))
             warpgroup.fence()
             for kk in cutlass.range_constexpr(self.d_qk // 16):
@@ -159,15 +182,16 @@ class AttentionTargetSm90:
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
-            # p summed over the thread's two rows, then over the heads (head_sums)
+            # p summed over the thread's two rows, then over the warpgroup's heads (head_sums;
+            # its barrier is the whole CTA's)
             for c in cutlass.range_constexpr(nc):
                 a = cute.math.exp2(S_mn[0, c] * scale_log2 - off_r[0], fastmath=True)
                 a = a + cute.math.exp2(S_mn[1, c] * scale_log2 - off_r[1], fastmath=True)
                 vals[c] = cutlass.select_(sRow[st * BN + tScS[0, c][1]] >= 0, a,
                                           cutlass.Float32(0.0))
-            tot = head_sums(vals, tScS, sPart, tidx, BN)
-            j = blk * BN + tidx
-            if tidx < BN and j < K:
+            tot = head_sums(vals, tScS, sPart, wtid, BN)
+            j = blk * BN + wtid
+            if wtid < BN and j < K:
                 mMass[mass_base + cutlass.Int64(j)] = tot
         cute.arch.cp_async_wait_group(0)
 
@@ -188,6 +212,6 @@ def fake_args(dtype, d_qk: int):
     )
 
 
-def compile_attention_target(dtype, d_qk: int):
-    """Compile with shape-only tensors (fake_args)."""
-    return cute.compile(AttentionTargetSm90(dtype, d_qk), *fake_args(dtype, d_qk))
+def compile_attention_target(dtype, d_qk: int, heads: int = 64):
+    """Compile with shape-only tensors (fake_args); heads: 64 or 128 per CTA."""
+    return cute.compile(AttentionTargetSm90(dtype, d_qk, heads), *fake_args(dtype, d_qk))

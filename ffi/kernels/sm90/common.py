@@ -154,12 +154,14 @@ def load_rows_sw128(src_addr: cutlass.Int64, first_row: cutlass.Int64, n_valid: 
 def gather_rows_sw128(mIdx: cute.Tensor, src_addr: cutlass.Int64, dst: cutlass.Int32,
                       sRow: cute.Tensor, slot, blk, k_eff: cutlass.Int32,
                       idx_base: cutlass.Int64, batch_rows: cutlass.Int64, S: cutlass.Int32,
-                      row, sub, bn: cutlass.Constexpr, row_bytes: cutlass.Constexpr):
+                      row, sub, bn: cutlass.Constexpr, row_bytes: cutlass.Constexpr,
+                      threads: cutlass.Constexpr = ROW_COPY_THREADS):
     """Block blk of a token's list (entries blk * bn + r, the list at mIdx[idx_base:]) into the
     bn-row tile at shared address dst: the rows of the array at src_addr (batch_rows rows before
     this batch's); an invalid entry (at or past k_eff, < 0 or >= S) is a zero row that reads
-    nothing. sRow[slot * bn + r] gets the entry, or -1 if invalid."""
-    per_pass = ROW_COPY_THREADS // ROW_COPY_TPR
+    nothing. sRow[slot * bn + r] gets the entry, or -1 if invalid. `threads` copy (row =
+    thread // ROW_COPY_TPR, sub = thread % ROW_COPY_TPR)."""
+    per_pass = threads // ROW_COPY_TPR
     for p in cutlass.range_constexpr(bn // per_pass):
         r = row + per_pass * p
         j = blk * bn + r
