@@ -13,20 +13,23 @@ Layouts (flattened row-major): q (B*T*H, Dqk), kv (B*S, Dqk), idx (B*T*K,) int32
 topk_length (B*T,) int32, off (B*T*H,) float32, mass (B*T*n_hb*K,) float32 with
 n_hb = ceil(H / 64); every element of mass is written.
 
-Two variants (`heads`): 64 heads per CTA (H <= 64) and 128 (64 < H <= 128). Grid: one CTA
-per token and 64-head block (heads 64; a token's head blocks adjacent) or per token (heads 128:
-each row is gathered once for all the token's heads). One warpgroup per 64 heads (128 or 256
-threads), one CTA per SM. Each warpgroup's 64 head rows of Q go to shared memory once (heads
->= H zero-filled, never read from global), then the token's list is walked in blocks of BN
-entries (64; 32 with 128 heads, for shared memory) through a two-stage ring that all threads
-fill: the gather of block n + 1 (16-byte cp.async, 8 threads per row; invalid entries are
-zero-filled rows that read nothing) runs under block n's S = Q K^T (per warpgroup, wgmma
-64 x BN x 16, both operands K-major with the 128-byte swizzle in shared memory, Dqk / 16
-k-steps) and its epilogue: p = exp2(S scale log2(e) - off log2(e)), masked to the valid
-entries, summed over each thread's two head rows, across the 8 lanes that hold the same
-columns (shuffles) and across the warpgroup's 4 warps (shared memory); one store per entry and
-head block. Shared memory: Q heads x Dqk + 2 x BN x Dqk (216 KB at Dqk 576 either way) + 1 KB
-of partial sums.
+Two variants (`heads`), one CTA per SM each:
+- 64 heads per CTA (H <= 64): one CTA per token and 64-head block (a token's head blocks
+  adjacent), one warpgroup. Q's 64 head rows stay in shared memory (the A operand, SS wgmma);
+  the list is walked in blocks of BN = 64 entries through a two-stage ring (the gather of block
+  n + 1 under block n's GEMM and epilogue). Shared memory: Q + 2 stages, 216 KB at Dqk 576.
+- 128 heads per CTA (64 < H <= 128): one CTA per token, two warpgroups of 64 heads, so that
+  each row is gathered once for all the token's heads. Q passes through shared memory into
+  registers (A from registers, RS wgmma), leaving shared memory to a ring of six stages of
+  BN = 32 entries that all threads fill five blocks ahead. Shared memory: the ring, 192 / 216
+  KB at Dqk 512 / 576.
+Each warpgroup computes S = Q K^T for its 64 heads (wgmma 64 x BN x 16, B = the gathered rows,
+K-major with the 128-byte swizzle in shared memory, Dqk / 16 k-steps). Gathers: 16-byte
+cp.async, 8 threads per row; invalid entries are zero-filled rows that read nothing; heads >= H
+are zero rows of Q, never read from global. Epilogue: p = exp2(S scale log2(e) - off log2(e)),
+masked to the valid entries, summed over each thread's two head rows, across the 8 lanes that
+hold the same columns (shuffles) and across the warpgroup's 4 warps (shared memory); one store
+per entry and head block.
 
 Entry point: compile_attention_target(dtype, d_qk, heads); ffi/build.py exports it as
 jax_dsa_attention_target_h<heads>_<dtype>_d<Dqk> (ffi/attention_target.cc picks by H).
@@ -43,6 +46,9 @@ from .common import (LOG2_E, ROW_COPY_THREADS as WG_THREADS, ROW_COPY_TPR as TPR
                      acc_mn_view, gather_rows_sw128, head_sums, load_rows_sw128)
 
 BM = 64  # heads per warpgroup
+# heads per CTA -> (entries per block BN, ring stages NSTAGE, Q in registers); gathers run
+# NSTAGE - 1 blocks ahead (docs/kernel_log.md, 2026-12-02 third session, for the measurements).
+VARIANTS = {64: (64, 2, False), 128: (32, 6, True)}
 
 
 class AttentionTargetSm90:
@@ -52,33 +58,46 @@ class AttentionTargetSm90:
         self.d_qk = d_qk
         self.wgs = heads // BM  # warpgroups per CTA, one per 64 heads
         self.threads = WG_THREADS * self.wgs
-        self.bn = 64 if self.wgs == 1 else 32  # entries per block
+        self.bn, self.nstage, self.q_regs = VARIANTS[heads]
         self.q_bytes = BM * d_qk * 2  # one warpgroup's Q tile
         self.stage_bytes = self.bn * d_qk * 2  # one ring stage
+        # Q in registers passes through the ring
+        assert not self.q_regs or self.wgs * self.q_bytes <= self.nstage * self.stage_bytes
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor, mLen: cute.Tensor,
                  mOff: cute.Tensor, mMass: cute.Tensor, B: cutlass.Int32, T: cutlass.Int32,
                  H: cutlass.Int32, S: cutlass.Int32, K: cutlass.Int32, scale: cutlass.Float32,
                  stream: cuda.CUstream):
-        BN = self.bn
+        BN, NSTAGE = self.bn, self.nstage
         k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128,
                                                  self.dtype)
         q_layout = cute.tile_to_shape(k_atom, (BM, self.d_qk), (0, 1))
         kv_layout = cute.tile_to_shape(k_atom, (BN, self.d_qk), (0, 1))
 
         @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, self.wgs * BM * self.d_qk],
-                                  1024]
-            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, 2 * BN * self.d_qk], 1024]
+        class Ring:
+            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, NSTAGE * BN * self.d_qk],
+                                   1024]
             sPart: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * self.wgs * BN],
                                      16]
-            sRow: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * BN], 16]
+            sRow: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, NSTAGE * BN], 16]
 
+        @cute.struct
+        class QAndRing:  # Q's own tiles first
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, self.wgs * BM * self.d_qk],
+                                  1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, NSTAGE * BN * self.d_qk],
+                                   1024]
+            sPart: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * self.wgs * BN],
+                                     16]
+            sRow: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, NSTAGE * BN], 16]
+
+        SharedStorage = Ring if self.q_regs else QAndRing
         mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            cutlass.Float32, (1, 1, 1), (BM, BN))
+            cutlass.Float32, (1, 1, 1), (BM, BN),
+            warpgroup.OperandSource.RMEM if self.q_regs else warpgroup.OperandSource.SMEM)
         n_hb = (H + BM - 1) // BM
         self.kernel(mQ, mKV, mIdx, mLen, mOff, mMass, T, H, S, K, n_hb, scale, k_atom.inner,
                     q_layout.outer, kv_layout.outer, mma, SharedStorage).launch(
@@ -91,7 +110,7 @@ class AttentionTargetSm90:
                S: cutlass.Int32, K: cutlass.Int32, n_hb: cutlass.Int32, scale: cutlass.Float32,
                swz: cute.Swizzle, q_layout: cute.Layout, kv_layout: cute.Layout,
                mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
-        BN = self.bn
+        BN, NSTAGE = self.bn, self.nstage
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         wg = 0  # this thread's warpgroup, and the thread within it
@@ -116,42 +135,58 @@ class AttentionTargetSm90:
         storage = smem.allocate(SharedStorage)
         sPart = cute.make_tensor(storage.sPart.data_ptr() + wg * (4 * BN),
                                  cute.make_layout(4 * BN))
-        sRow = storage.sRow.get_tensor(cute.make_layout(2 * BN))
-        q_smem = storage.sQ.data_ptr().toint() + wg * self.q_bytes
+        sRow = storage.sRow.get_tensor(cute.make_layout(NSTAGE * BN))
         kv_smem = storage.sKV.data_ptr().toint()
 
         # ---- slots past the blocks the list fills: zero ----
         for j in cutlass.range(n_blocks * BN + wtid, K, WG_THREADS, unroll=1):
             mMass[mass_base + cutlass.Int64(j)] = cutlass.Float32(0.0)
 
-        # ---- the warpgroup's 64 head rows of Q (heads >= H: zeros, nothing read) ----
+        # ---- the warpgroup's 64 head rows of Q (heads >= H: zeros, nothing read): in Q's
+        # tiles, or through the ring's memory into registers ----
+        q_smem = kv_smem if cutlass.const_expr(self.q_regs) else storage.sQ.data_ptr().toint()
         load_rows_sw128(mQ.iterator.toint(), bt * cutlass.Int64(H) + cutlass.Int64(h0), H - h0,
-                        q_smem, wtid // TPR, wtid % TPR, BM, self.d_qk * 2)
-
-        # ---- this thread's two head rows: off in log2 units (+inf: dead or padded head) ----
+                        q_smem + wg * self.q_bytes, wtid // TPR, wtid % TPR, BM,
+                        self.d_qk * 2)
+        if cutlass.const_expr(self.q_regs):
+            cute.arch.cp_async_commit_group()
         thr = mma.get_slice(wtid)
         tScS = acc_mn_view(thr.partition_C(cute.make_identity_tensor((BM, BN))))
         scale_log2 = scale * LOG2_E
-        off_r = cute.make_rmem_tensor(2, cutlass.Float32)
+        off_r = cute.make_rmem_tensor(2, cutlass.Float32)  # off in log2 units (+inf: no head)
         for r in cutlass.range_constexpr(2):
             h = h0 + tScS[r, 0][0]
             v = cutlass.Float32.inf
             if h < H:
                 v = mOff[bt * cutlass.Int64(H) + cutlass.Int64(h)] * LOG2_E
             off_r[r] = v
+        if cutlass.const_expr(self.q_regs):
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
+            sQ = cute.make_tensor(
+                cute.recast_ptr(storage.sKV.data_ptr(), swizzle_=swz)
+                + cute.assume(wg * (BM * self.d_qk), divby=4096), q_layout)
+            tSrQ = cute.make_rmem_tensor(thr.partition_shape_A((BM, self.d_qk)), self.dtype)
+            cute.autovec_copy(thr.partition_A(sQ), tSrQ)
+            cute.arch.barrier()  # every Q read before the ring's gathers overwrite it
 
-        # ---- the ring: every thread of the CTA gathers ----
+        # ---- the ring: every thread of the CTA gathers, NSTAGE - 1 blocks ahead (Q's copies
+        # in the first group when Q stays in shared memory) ----
         row = tidx // TPR
         sub = tidx % TPR
         kv_addr = mKV.iterator.toint()
-        if n_blocks > 0:
-            gather_rows_sw128(mIdx, kv_addr, kv_smem, sRow, 0, 0, k_eff, idx_base, kv_batch, S,
-                              row, sub, BN, self.d_qk * 2, self.threads)
-        cute.arch.cp_async_commit_group()
+        for p in cutlass.range_constexpr(NSTAGE - 1):
+            if p < n_blocks:
+                gather_rows_sw128(mIdx, kv_addr, kv_smem + p * self.stage_bytes, sRow, p, p,
+                                  k_eff, idx_base, kv_batch, S, row, sub, BN, self.d_qk * 2,
+                                  self.threads)
+            cute.arch.cp_async_commit_group()
 
-        q_sw = cute.recast_ptr(storage.sQ.data_ptr(), swizzle_=swz)
-        sQ = cute.make_tensor(q_sw + cute.assume(wg * (BM * self.d_qk), divby=4096), q_layout)
-        tSrQ = thr.make_fragment_A(thr.partition_A(sQ))
+        if cutlass.const_expr(not self.q_regs):
+            q_sw = cute.recast_ptr(storage.sQ.data_ptr(), swizzle_=swz)
+            sQ = cute.make_tensor(q_sw + cute.assume(wg * (BM * self.d_qk), divby=4096),
+                                  q_layout)
+            tSrQ = thr.make_fragment_A(thr.partition_A(sQ))
         kv_sw = cute.recast_ptr(storage.sKV.data_ptr(), swizzle_=swz)
         stage_align = 4096 if (BN * self.d_qk) % 4096 == 0 else 1024
         acc = thr.make_fragment_C(thr.partition_shape_C((BM, BN)))
@@ -159,15 +194,18 @@ class AttentionTargetSm90:
         nc = cute.size(S_mn, mode=[1])
         vals = cute.make_rmem_tensor(nc, cutlass.Float32)
         for blk in cutlass.range(n_blocks, unroll=1):
-            st = blk % 2
-            # Block blk + 1's gather into the other stage (read by block blk - 1's GEMMs, which
-            # every warp has waited for before the previous iteration's last barrier).
-            if blk + 1 < n_blocks:
-                gather_rows_sw128(mIdx, kv_addr, kv_smem + (1 - st) * self.stage_bytes, sRow,
-                                  1 - st, blk + 1, k_eff, idx_base, kv_batch, S, row, sub, BN,
+            st = blk % NSTAGE
+            # Block blk + NSTAGE - 1's gather into the stage block blk - 1's GEMMs read (every
+            # warp waited for them before the previous iteration's last barrier).
+            ahead = blk + NSTAGE - 1
+            if ahead < n_blocks:
+                # (1 - st) = ahead % 2: the two-stage form, as the 64-head kernel was validated
+                sa = (1 - st) if cutlass.const_expr(NSTAGE == 2) else ahead % NSTAGE
+                gather_rows_sw128(mIdx, kv_addr, kv_smem + sa * self.stage_bytes, sRow, sa,
+                                  ahead, k_eff, idx_base, kv_batch, S, row, sub, BN,
                                   self.d_qk * 2, self.threads)
             cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(1)  # this thread's copies of block blk (and Q)
+            cute.arch.cp_async_wait_group(NSTAGE - 1)  # this thread's copies of block blk
             # cp.async writes (generic proxy) -> wgmma reads (async proxy), then all threads'.
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier()
