@@ -3,7 +3,7 @@
 #
 #   bash dev/gpu_validate.sh [tests-fwd] [tests-bwd] [tests-rest] [memcheck] [bench]
 #                            [bench-indexer] [bench-decode] [bench-layer] [train-compare]
-#                            [wgmma-ceiling]
+#                            [wgmma-ceiling] [bench-pools]
 #                            [profile] [hotlines]
 #                                                                         (default: all tests)
 #
@@ -61,6 +61,10 @@ for step in "${steps[@]}"; do
           --steps 200 --warmup 60 > "$out/train_compare_$style.log" 2>&1 || rc=$?
         tail -3 "$out/train_compare_$style.log"
       done ;;
+    bench-pools)  # sparse_mla's second KV pool against one pre-concatenated pool
+      timeout 300 python3 dev/bench_two_pools.py > "$out/bench_pools.log" 2>&1
+      rc=$?
+      tail -3 "$out/bench_pools.log" ;;
     wgmma-ceiling)  # bare wgmma throughput per shape (the score kernel's ceiling)
       timeout 120 python3 dev/wgmma_ceiling.py --out "$out/wgmma" > "$out/wgmma_ceiling.log" 2>&1
       rc=$?
