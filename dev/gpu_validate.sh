@@ -57,7 +57,7 @@ for step in "${steps[@]}"; do
     train-compare)  # the DSA layer at the kernels' shapes, trained on the kernels and the reference
       rc=0
       for style in v3.2 v4; do
-        timeout 240 python3 examples/train_dsa.py --size kernel --style "$style" --compare \
+        timeout 290 python3 examples/train_dsa.py --size kernel --style "$style" --compare \
           --steps 200 --warmup 60 > "$out/train_compare_$style.log" 2>&1 || rc=$?
         tail -3 "$out/train_compare_$style.log"
       done ;;

@@ -21,8 +21,13 @@ projection replicated; the same jitted step, partitioned by XLA and jax_dsa's sh
 --size kernel trains a layer of the kernels' shapes (bf16, latent dim 576 with d_v 512 for v3.2,
 512 / 512 for v4, 16 heads, an indexer of 16 heads of dim 128, T = 256) so that on a Hopper GPU
 the attention and the indexer's selection run on the kernels; --implementation picks them
-("cute") or the reference ("xla"), and --compare trains twice from the same initialisation, on
-the kernels and on the reference, and prints how far apart the two runs' losses are.
+("cute") or the reference ("xla"), and --compare trains three times from the same initialisation:
+on the kernels, on the reference, and on the reference with every initial parameter multiplied by
+(1 + 2**-9 r), r a fixed-seed random sign (a quarter to half a bf16 ulp: a rounding's size). It
+prints how far apart the kernels' and the reference's losses are, and beside it the same gap
+between the reference and the perturbed reference: the bf16 noise baseline that a rounding
+difference alone gives. --compare --implementation xla runs the first run on the reference too
+(the kernels need a Hopper GPU; a check of the script elsewhere).
 """
 from __future__ import annotations
 
@@ -95,12 +100,13 @@ SIZES = {
 
 
 def train(*, steps=300, warmup=100, size="tiny", topk=None, seed=0, mesh=None, style="v3.2",
-          implementation=None, verbose=True):
+          implementation=None, perturb=None, verbose=True):
     """Returns a list of per-step dicts (stage, loss, indexer_loss, recall every 10 steps).
     size: a key of SIZES. mesh: None, or a (data, heads) jax.sharding.Mesh to train on (see
     make_mesh). style "v3.2" selects topk of the positions; "v4" a sliding window plus topk of
     the T / 4 compressed rows. implementation: as jax_dsa.sparse_mla's (the attention and the
-    indexer's selection)."""
+    indexer's selection). perturb: None, or a seed: every initial parameter is multiplied by
+    (1 + 2**-9 r), r random signs drawn from it (a rounding-sized change, for a noise baseline)."""
     cfg = SIZES[size]
     if topk is None:
         topk = cfg["topk"][style]
@@ -112,6 +118,12 @@ def train(*, steps=300, warmup=100, size="tiny", topk=None, seed=0, mesh=None, s
                         rngs=nnx.Rngs(seed), **extra)
     x, y = make_data(jax.random.key(seed + 1), batch, tokens, d_model)
     graphdef, state = nnx.split(model)
+    if perturb is not None:
+        leaves, treedef = jax.tree.flatten(state)
+        keys = jax.random.split(jax.random.key(perturb), len(leaves))
+        state = jax.tree.unflatten(treedef, [
+            v * (1 + 2**-9 * jax.random.rademacher(k, v.shape, v.dtype))
+            for v, k in zip(leaves, keys)])
     if mesh is not None:
         specs = jax.tree_util.tree_map_with_path(param_spec, state)
         state = jax.tree.map(lambda v, sp: jax.device_put(v, NamedSharding(mesh, sp)), state,
@@ -148,29 +160,40 @@ def train(*, steps=300, warmup=100, size="tiny", topk=None, seed=0, mesh=None, s
     return history
 
 
-def compare(run):
-    """Train on the kernels and on the reference from the same initialisation and data; print
-    both runs' task loss and indexer KL every 10 steps and the largest relative gap."""
-    print("== kernels (implementation='cute')", flush=True)
-    kern = train(**run, implementation="cute")
+def gap_line(label, a, b):
+    """The largest gap between two runs' task loss and indexer KL, relative to b's value at that
+    step and to b's step-0 value (a converged loss near 0 makes any rounding difference a large
+    relative gap), and both runs' final recall, as one line."""
+    names = ("loss", "indexer_loss")
+    gap = {n: max(abs(r[n] - s[n]) / max(abs(s[n]), 1e-6) for r, s in zip(a, b)) for n in names}
+    gap0 = {n: max(abs(r[n] - s[n]) for r, s in zip(a, b)) / max(abs(b[0][n]), 1e-6)
+            for n in names}
+    return (f"{label}: largest relative gap: task loss {gap['loss']:.2%}, indexer KL "
+            f"{gap['indexer_loss']:.2%}; of the step-0 value: {gap0['loss']:.2%}, "
+            f"{gap0['indexer_loss']:.2%}; final recall {a[-1]['recall']:.3f} / "
+            f"{b[-1]['recall']:.3f}")
+
+
+def compare(run, implementation="cute"):
+    """Train on the kernels (or `implementation`), on the reference, and on the reference from a
+    perturbed start (train's perturb), from the same initialisation and data; print the three
+    runs' task loss and indexer KL every 10 steps, then the largest gaps kernels vs reference and
+    reference vs perturbed reference (the noise baseline)."""
+    print(f"== kernels (implementation={implementation!r})", flush=True)
+    kern = train(**run, implementation=implementation)
     print("== reference (implementation='xla')", flush=True)
     ref = train(**run, implementation="xla")
-    gap = {name: max(abs(a[name] - b[name]) / max(abs(b[name]), 1e-6) for a, b in zip(kern, ref))
-           for name in ("loss", "indexer_loss")}
-    # the same gaps relative to the first step's value (a converged loss near 0 makes any
-    # rounding difference a large relative gap)
-    gap0 = {name: max(abs(a[name] - b[name]) for a, b in zip(kern, ref))
-            / max(abs(ref[0][name]), 1e-6) for name in ("loss", "indexer_loss")}
-    print("step   loss: kernels / reference   indexer KL: kernels / reference")
-    for a, b in zip(kern, ref):
+    print("== perturbed reference (implementation='xla', parameters x (1 + 2**-9 r))", flush=True)
+    noisy = train(**run, implementation="xla", perturb=0)
+    print("step   loss: kernels / reference / perturbed   indexer KL: kernels / reference / "
+          "perturbed")
+    for a, b, c in zip(kern, ref, noisy):
         if a["step"] % 10 == 0 or a["step"] == len(ref) - 1:
-            print(f"{a['step']:4d}   {a['loss']:.5f} / {b['loss']:.5f}   "
-                  f"{a['indexer_loss']:.5f} / {b['indexer_loss']:.5f}")
-    print(f"largest relative gap: task loss {gap['loss']:.2%}, indexer KL "
-          f"{gap['indexer_loss']:.2%}; of the step-0 value: {gap0['loss']:.2%}, "
-          f"{gap0['indexer_loss']:.2%}; final recall {kern[-1]['recall']:.3f} / "
-          f"{ref[-1]['recall']:.3f}")
-    return kern, ref
+            print(f"{a['step']:4d}   {a['loss']:.5f} / {b['loss']:.5f} / {c['loss']:.5f}   "
+                  f"{a['indexer_loss']:.5f} / {b['indexer_loss']:.5f} / {c['indexer_loss']:.5f}")
+    print(gap_line("kernels vs reference", kern, ref))
+    print(gap_line("reference vs perturbed reference (noise baseline)", ref, noisy))
+    return kern, ref, noisy
 
 
 def main(argv=None):
@@ -183,13 +206,14 @@ def main(argv=None):
     parser.add_argument("--implementation", choices=("cute", "xla"),
                         help="the kernels or the reference (default: the kernels where they run)")
     parser.add_argument("--compare", action="store_true",
-                        help="train on the kernels and on the reference; print the loss gap")
+                        help="train on the kernels, on the reference and on the reference "
+                        "from a perturbed start; print the loss gaps")
     parser.add_argument("--plot", help="write a PNG of the loss, the KL and the recall")
     args = parser.parse_args(argv)
     mesh = make_mesh(args.mesh) if args.mesh else None
     run = dict(steps=args.steps, warmup=args.warmup, mesh=mesh, style=args.style, size=args.size)
     if args.compare:
-        return compare(run)
+        return compare(run, args.implementation or "cute")
     history = train(**run, implementation=args.implementation)
     if args.plot:
         try:

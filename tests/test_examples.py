@@ -84,3 +84,19 @@ def test_kernel_sized_layer_selects_in_its_dtype_and_trains_on_the_reference(mon
     losses = [r["loss"] for r in history]
     assert np.all(np.isfinite(losses)) and losses[-1] != losses[0]
     assert np.all(np.isfinite([r["indexer_loss"] for r in history]))
+
+
+def test_compare_prints_the_gap_and_a_noise_baseline(capsys):
+    """examples/train_dsa.py --compare (here with the first run on the reference too): the
+    kernels-vs-reference gap and, last, the reference-vs-perturbed-reference gap (the bf16 noise
+    baseline: the same start with every parameter nudged by 2**-9 relative)."""
+    kern, ref, noisy = train_dsa.main(["--compare", "--implementation", "xla", "--steps", "4",
+                                       "--warmup", "2"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2].startswith("kernels vs reference: largest relative gap: task loss 0.00%")
+    assert lines[-1].startswith("reference vs perturbed reference (noise baseline): largest "
+                                "relative gap: task loss ")
+    assert [r["loss"] for r in kern] == [r["loss"] for r in ref]
+    losses = np.array([[r["loss"] for r in h] for h in (ref, noisy)])
+    assert np.all(losses[0] != losses[1])
+    np.testing.assert_allclose(losses[1], losses[0], rtol=2e-2)
