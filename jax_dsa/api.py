@@ -403,11 +403,28 @@ def _resolve_implementation(implementation, q, kv, d_v) -> tuple[str, str]:
     raise NotImplementedError(f"implementation='cute' cannot run here: {problem}")
 
 
-def choose(implementation, problem: str | None, warn_fallback) -> str:
+def op_kernel_problem(shape_problem, *arrays) -> str | None:
+    """Why the kernel of an op beside sparse_mla cannot take its canonical `arrays` here (None
+    when it can): the process (library, GPU), then `shape_problem()` (the op's own limits),
+    then arrays committed off the GPU."""
+    problem = kernel_runtime_problem() or shape_problem()
+    if problem is None and _arrays_off_gpu(*arrays):
+        problem = "the inputs are not on a CUDA device"
+    return problem
+
+
+@functools.lru_cache(maxsize=None)
+def warn_op_fallback(op, shape, dtype, problem):
+    """Logs once per op and shape that a call on a Hopper GPU runs the (slower) reference."""
+    _log.warning("jax_dsa.%s: q %s %s runs the pure-JAX reference, not the Hopper kernels: %s "
+                 "(pass implementation='xla' to silence this)", op, shape, dtype, problem)
+
+
+def choose(implementation, problem: str | None, op: str, q) -> str:
     """The implementation of an op beside sparse_mla (indexer, attention target, indexer loss):
     "xla", "cute" or "auto" (see `dispatch`). `problem`: why its kernel cannot take the call
-    (None when it can); `warn_fallback(problem)` is called when the default (None) falls back
-    to the reference on a machine where the kernels run."""
+    (op_kernel_problem; None when it can); when the default (None) falls back to the reference
+    on a machine where the kernels run, warn_op_fallback logs it (op, q's shape and dtype)."""
     names = (tuple(implementation) if isinstance(implementation, Sequence)
              and not isinstance(implementation, str) else (implementation,))
     if not names or any(n not in IMPLEMENTATIONS for n in names) or (
@@ -416,7 +433,7 @@ def choose(implementation, problem: str | None, warn_fallback) -> str:
                          f"'cute'; got {implementation!r}")
     if names == (None,):
         if problem and kernel_runtime_problem() is None:
-            warn_fallback(problem)
+            warn_op_fallback(op, q.shape, q.dtype, problem)
         return "xla" if problem else "auto"
     for name in names:
         if name == "xla":

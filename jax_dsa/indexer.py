@@ -166,28 +166,16 @@ def _check_int(value, name, lowest):
 def kernel_problem(q, k) -> str | None:
     """Why the Hopper indexer kernel cannot take canonical q [B, T, Hi, Di], k [B, S, Di] here
     (None when it can)."""
-    problem = api.kernel_runtime_problem()
-    if problem:
-        return problem
     from jax_dsa.cute import indexer as cute_indexer
-    problem = cute_indexer.shape_problem(q, k)
-    if problem is None and api._arrays_off_gpu(q, k):
-        problem = "q/k are not on a CUDA device"
-    return problem
+    return api.op_kernel_problem(lambda: cute_indexer.shape_problem(q, k), q, k)
 
 
-@functools.lru_cache(maxsize=None)
-def _warn_fallback(shape, dtype, problem):
-    """Logs once per shape that a call on a Hopper GPU runs the (slower) reference."""
-    api._log.warning("jax_dsa indexer: q %s %s runs the pure-JAX reference, not the Hopper "
-                     "kernels: %s (pass implementation='xla' to silence this)", shape, dtype,
-                     problem)
+_warn_fallback = api.warn_op_fallback  # (its cache is the one the tests clear)
 
 
 def _resolve(implementation, q, k) -> str:
     """"xla", "cute" or "auto" (the kernel when lowered for CUDA, else the reference)."""
-    return api.choose(implementation, kernel_problem(q, k),
-                      lambda problem: _warn_fallback(q.shape, q.dtype, problem))
+    return api.choose(implementation, kernel_problem(q, k), "indexer_topk", q)
 
 
 # ------------------------------------------------------------------------------ reference

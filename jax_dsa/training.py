@@ -46,8 +46,9 @@ def attention_target(q, kv, idx, *, scale=None, sink=None, topk_length=None, lse
     """
     call = api._prepare(q, kv, idx, scale, sink, topk_length, None, True, "xla", False, None)
     q, kv, idx, tl = (lax.stop_gradient(x) for x in (call.q, call.kv, call.idx, call.topk_length))
-    impl = api.choose(implementation, _target_problem(q, kv),
-                      lambda p: _warn_fallback("attention_target", q.shape, q.dtype, p))
+    from jax_dsa.cute import target as cute_target
+    problem = api.op_kernel_problem(lambda: cute_target.shape_problem(q, kv), q, kv)
+    impl = api.choose(implementation, problem, "attention_target", q)
     if lse is None:
         _, lse = api.sparse_mla(q, kv, idx, scale=call.scale, sink=sink, topk_length=tl,
                                 return_lse=True, implementation="xla" if impl == "xla" else None)
@@ -75,25 +76,6 @@ def normalise(mass):
     """mass [B, T, K] (summed over heads) -> the target (0 where a token has none)."""
     total = jnp.sum(mass, axis=-1, keepdims=True)
     return jnp.where(total > 0, mass / jnp.where(total > 0, total, 1.0), 0.0)
-
-
-def _target_problem(q, kv) -> str | None:
-    """Why the target kernel cannot take canonical q, kv here (None when it can)."""
-    problem = api.kernel_runtime_problem()
-    if problem:
-        return problem
-    from jax_dsa.cute import target as cute_target
-    problem = cute_target.shape_problem(q, kv)
-    if problem is None and api._arrays_off_gpu(q, kv):
-        problem = "q/kv are not on a CUDA device"
-    return problem
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_fallback(op, shape, dtype, problem):
-    """Logs once per shape that a call on a Hopper GPU runs the (slower) reference."""
-    api._log.warning("jax_dsa.%s: q %s %s runs the pure-JAX reference, not the Hopper kernel: "
-                     "%s (pass implementation='xla' to silence this)", op, shape, dtype, problem)
 
 
 @functools.lru_cache(maxsize=None)
@@ -148,9 +130,10 @@ def indexer_loss(q, k, weights, idx, target, *, scale=1.0, topk_length=None, red
     """
     api._check_flag(deterministic, "deterministic")
     call = _prepare_loss(q, k, weights, idx, target, scale, topk_length, reduction)
-    impl = api.choose(implementation, _loss_problem(call["q"], call["k"], call["idx"]),
-                      lambda p: _warn_fallback("indexer_loss", call["q"].shape, call["q"].dtype,
-                                               p))
+    from jax_dsa.cute import indexer_loss as cute_loss
+    problem = api.op_kernel_problem(
+        lambda: cute_loss.shape_problem(call["q"], call["k"], call["idx"]), call["q"], call["k"])
+    impl = api.choose(implementation, problem, "indexer_loss", call["q"])
     per_token = _kl(call["q"], call["k"], call["w"], call["idx"], call["tl"], call["target"],
                     call["scale"], bool(deterministic), impl)
     if reduction == "none":
@@ -216,18 +199,6 @@ def _kl_terms(score, valid, target):
     xlogx = jnp.where(tgt > 0, tgt * jnp.log(jnp.where(tgt > 0, tgt, 1.0)), 0.0)
     kl = jnp.sum(xlogx - tgt * log_p, axis=-1)
     return kl, e / jnp.where(z > 0, z, 1.0)
-
-
-def _loss_problem(q, k, idx) -> str | None:
-    """Why the loss kernels cannot take canonical q, k, idx here (None when they can)."""
-    problem = api.kernel_runtime_problem()
-    if problem:
-        return problem
-    from jax_dsa.cute import indexer_loss as cute_loss
-    problem = cute_loss.shape_problem(q, k, idx)
-    if problem is None and api._arrays_off_gpu(q, k):
-        problem = "q/k are not on a CUDA device"
-    return problem
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
