@@ -163,23 +163,12 @@ def make_backward(local_bwd: Callable, scale: float, d_v: int, impl: str):
 
 def make_indexer_topk(local: Callable):
     """Partitioned, vmappable selection: (q, k, weights, positions) -> (scores, idx)."""
-    op = custom_partitioning(local)
-
     def specs(arg_shapes):
         b, t, _, _ = _entries(arg_shapes[0].sharding, 4)
         return ((P(b, t, None, None), P(b, None, None), P(b, t, None), P(b, t)),
                 (P(b, t, None), P(b, t, None)))
 
-    def infer(mesh, arg_shapes, result_shape):
-        return _named(mesh, specs(arg_shapes)[1])
-
-    def partition(mesh, arg_shapes, result_shape):
-        args, outs = specs(arg_shapes)
-        return mesh, local, _named(mesh, outs), _named(mesh, args)
-
-    op.def_partition(partition=partition, infer_sharding_from_operands=infer,
-                     sharding_rule=_INDEXER_RULE, need_replication_factors=("h", "d", "s", "n"))
-    return _fold_vmap(op, num_outputs=2, sink_pos=None)
+    return _partitioned(local, _INDEXER_RULE, ("h", "d", "s", "n"), specs, None, 2)
 
 
 def _partitioned(local: Callable, rule: str, replicated: tuple[str, ...], specs: Callable,
