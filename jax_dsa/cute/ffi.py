@@ -188,6 +188,17 @@ def _bwd_shapes(q, kv):
             jax.ShapeDtypeStruct((B, T, H), jnp.float32))  # delta
 
 
+def _dkv_logical(dkv):
+    """The backward kernels at Dqk 576 add dkv in a permuted column order (each 16 columns
+    8 g0 + 2 s + c stored at 4 s + 2 g0 + c, so that a lane's values are contiguous:
+    ffi/kernels/sm90/scatter_layout.permuted_column); this restores the logical order (a
+    transpose that XLA fuses with the caller's cast). Dqk 512 is written in logical order."""
+    b, s, d = dkv.shape
+    if d == D_V:
+        return dkv
+    return dkv.reshape(b, s, d // 16, 4, 2, 2).transpose(0, 1, 2, 4, 3, 5).reshape(b, s, d)
+
+
 def sparse_mla_bwd(q, kv, idx, topk_length, lse, do, o, coef, *, scale, group=1):
     """Backward on the atomic kernels: (dq [B, T, H, Dqk] q.dtype, dkv [B, S, Dqk] float32,
     delta [B, T, H] float32 = rowsum(do * o)).
@@ -200,10 +211,12 @@ def sparse_mla_bwd(q, kv, idx, topk_length, lse, do, o, coef, *, scale, group=1)
     """
     args = _bwd_args(q, kv, idx, topk_length, lse, do, o, coef)
     if group == 1:
-        return _call("jax_dsa_sparse_mla_bwd_sm90", _bwd_shapes(q, kv), *args,
-                     scale=np.float32(scale))
-    return _call("jax_dsa_sparse_mla_bwd_grouped_sm90", _bwd_shapes(q, kv), *args,
-                 scale=np.float32(scale), group=np.int32(group))
+        dq, dkv, delta = _call("jax_dsa_sparse_mla_bwd_sm90", _bwd_shapes(q, kv), *args,
+                               scale=np.float32(scale))
+    else:
+        dq, dkv, delta = _call("jax_dsa_sparse_mla_bwd_grouped_sm90", _bwd_shapes(q, kv), *args,
+                               scale=np.float32(scale), group=np.int32(group))
+    return dq, _dkv_logical(dkv), delta
 
 
 def group_union(idx, topk_length, num_kv_rows: int, group: int):
@@ -236,7 +249,7 @@ def sparse_mla_bwd_deterministic(q, kv, idx, topk_length, lse, do, o, coef, *, s
         "jax_dsa_sparse_mla_bwd_deterministic_sm90", _bwd_shapes(q, kv) + (workspace,),
         *_bwd_args(q, kv, idx, topk_length, lse, do, o, coef), order, seg_end, rows,
         scale=np.float32(scale))
-    return dq, dkv, delta
+    return dq, _dkv_logical(dkv), delta
 
 
 def indexer_scores(q, k, w, start, *, scale, ratio, poison_outputs=False):

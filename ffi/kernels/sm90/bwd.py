@@ -27,8 +27,9 @@ delta per row. Per 64-row KV block n:
   barrier and block n + 1's gather runs under block n's dKV chunks. A dKV chunk (64 rows x 64
   columns) is a wgmma over MN-major views of the resident tiles with ceil(live heads / 16)
   k-steps (one of four straight-line sequences: a wgmma under a runtime condition would be
-  serialized), then a transpose inside the warp (Dqk 512: through a shared-memory scratch,
-  scatter_layout.py; 576: shuffles) so that each red.global.add.v4.f32 (deterministic:
+  serialized), then an exchange inside the warp (Dqk 512: a transpose through a shared-memory
+  scratch; 576: one shuffle per value pair into a permuted column layout that the Python
+  wrapper undoes; scatter_layout.py) so that each red.global.add.v4.f32 (deterministic:
   st.global.v4.f32) of a warp covers 4 rows x 128 contiguous bytes. At Dqk 512 the chunks form
   one rolling pipeline, chunk c + 1's MMA running under chunk c's scatter.
 Shared memory: Q 72 KB + dO 64 KB + one KV stage 72 KB + P and dS 16 KB + row slots = 224.5 KB
@@ -59,36 +60,8 @@ from jax_dsa.cute.constants import MEMBER_SHIFT as GROUP_SHIFT
 from .common import (LOG2_E, acc_mn_view, bwd_fake_args, chunk16, compile_options,
                      cp_async_16_zfill, gather_source, load_block_indices, red_add_v4_f32,
                      red_add_v4_f32_if, st_global_v4_f32, st_global_v4_f32_if)
-from .scatter_layout import SCRATCH_BYTES, SCRATCH_WARP_FLOATS, scratch_offset
-
-
-
-def _flat(rho, g2, g1, g0, c):
-    """Index of accumulator value v[rho][g2][g1][g0][c] of a 64 x 64 chunk (see _scatter)."""
-    return (((rho * 2 + g2) * 2 + g1) * 2 + g0) * 2 + c
-
-
-def _lines_per_row_transpose(v: list, lane):
-    """The three butterfly exchanges of SparseMlaBwdSm90._scatter (plain Python loops,
-    traced inline): swap lane bit q0 (xor 4) with data index g1, lane bit s1 (xor 2) with g0,
-    then lane bit s0 (xor 1) with that same g0 slot."""
-    for mask, slot in ((4, 1), (2, 0), (1, 0)):
-        upper = (lane & mask) != 0
-        for rho in range(2):
-            for g2 in range(2):
-                for other in range(2):
-                    for c in range(2):
-                        if slot == 1:
-                            i0, i1 = _flat(rho, g2, 0, other, c), _flat(rho, g2, 1, other, c)
-                        else:
-                            i0, i1 = _flat(rho, g2, other, 0, c), _flat(rho, g2, other, 1, c)
-                        x0, x1 = v[i0], v[i1]
-                        # the upper lane keeps x1 and sends x0; the lower keeps x0, sends x1
-                        send = cutlass.Float32(cutlass.select_(upper, x0, x1))
-                        recv = cute.arch.shuffle_sync_bfly(send, offset=mask)
-                        v[i0] = cutlass.Float32(cutlass.select_(upper, recv, x0))
-                        v[i1] = cutlass.Float32(cutlass.select_(upper, x1, recv))
-    return v
+from .scatter_layout import (SCRATCH_BYTES, SCRATCH_WARP_FLOATS, pair_rows_exchange,
+                             scratch_offset)
 
 
 # mbarrier slots
@@ -126,8 +99,8 @@ class SparseMlaBwdSm90:
         # rest by WG1; 3 balances the two groups at both head dims (docs/kernel_log.md).
         self.wg0_chunks = 3
         # At Dqk 512 the scatter transposes each chunk through a 2 KB shared-memory scratch per
-        # warp (_scatter_smem) instead of three shuffle butterflies (_scatter); Dqk 576 has no
-        # room for the 16 KB and keeps the shuffles.
+        # warp (_scatter_smem, logical column order); Dqk 576 has no room for the 16 KB and
+        # writes the permuted column layout with one shuffle per value pair (_scatter).
         self.smem_scatter = self.rope == 0
         # Grouped: the 64 head rows are `group` consecutive tokens of 64 / group
         # heads each, and idx is the group's merged list (jax_dsa.cute.grouping.group_lists) with
@@ -807,12 +780,11 @@ class SparseMlaBwdSm90:
     @cute.jit
     def _scatter_smem(self, acc: cute.Tensor, lane: cutlass.Int32, rows: list, g_bases: list,
                       ch: cutlass.Int32, out_scale: cutlass.Float32, mDKV: cute.Tensor, scr):
-        """_scatter's result (each RED of a warp covers 4 rows x 128 contiguous bytes, lane l
-        adding columns 4 (l % 8) + [0, 4) of rows 2 (l // 8) + q0 + 8 rho) by a transpose
-        through this warp's shared-memory scratch, one 32-column half of the chunk at a time:
-        8 st.shared.v2 of the accumulator pairs, then 4 ld.shared.v4 of row segments (both
-        conflict-free with the layout of scratch_offset), instead of 48 shuffles and 144
-        selects."""
+        """Each RED of a warp covers 4 rows x 128 contiguous bytes in the logical column order
+        (lane l adding columns 4 (l % 8) + [0, 4) of rows 2 (l // 8) + q0 + 8 rho), by a
+        transpose through this warp's shared-memory scratch, one 32-column half of the chunk at
+        a time: 8 st.shared.v2 of the accumulator pairs, then 4 ld.shared.v4 of row segments
+        (both conflict-free with the layout of scratch_offset)."""
         acc_mn = acc_mn_view(acc)
         q = lane // 4
         s = lane % 4
@@ -858,35 +830,38 @@ class SparseMlaBwdSm90:
     def _scatter(self, acc: cute.Tensor, lane: cutlass.Int32, rows: list, g_bases: list,
                  ch: cutlass.Int32, out_scale: cutlass.Float32, mDKV: cute.Tensor):
         """Add (or store) this thread's share of a 64 x 64 dKV chunk so that every 16-byte
-        RED / store instruction of a warp covers 4 rows x 128 contiguous bytes (whole L2 lines).
+        RED / store instruction of a warp covers 4 rows x 128 contiguous bytes (whole L2 lines),
+        in the permuted column layout of scatter_layout.permuted_column (jax_dsa/cute/ffi.py
+        restores the logical order when it casts dkv).
 
         Why: L2 processes a warp's reduction per 128-byte line touched, so random-row adds are
         fastest when each instruction covers whole lines: 4 rows x 128 B beats 8 x 64 B and the
         plain accumulator layout's 16 x 32 B (dev/red_scatter_bench.cu; the numbers are in
-        docs/kernel_log.md, "line-wide RED").
-
-        The accumulator of warp w holds, in lane l = 4 q + s (q = q2 q1 q0, s = s1 s0),
-        v[rho][g2][g1][g0][c] = chunk row 16 w + q + 8 rho, column 8 (4 g2 + 2 g1 + g0) + 2 s + c.
-        Three butterfly exchanges each swap one lane bit with one data bit (q0 <-> g1 over
-        xor 4, s1 <-> g0 over xor 2, then s0 <-> that same slot over xor 1), after which lane
-        l = (q2 q1, g1 g0 s1) holds for each (rho, g2, q0) the 4 consecutive columns
-        32 g2 + 4 (l % 8) + [0, 4) of row 16 w + 2 (l // 8) + q0 + 8 rho: the 8 lanes with the
-        same l // 8 cover 32 columns (128 bytes) of one row."""
+        docs/kernel_log.md, "line-wide RED"). In the permuted layout the 4 lanes of a row
+        already hold 64 contiguous bytes of each 32-column half, so one shuffle per value pair
+        between the lanes of rows q and q ^ 1 (scatter_layout.pair_rows_exchange: 16 shuffles
+        and 48 selects per chunk) makes the 8 lanes of a row pair cover 128 bytes of one row;
+        lane l then adds, for each (rho, second, g2), 4 floats at permuted columns
+        32 g2 + 4 (l % 8) + [0, 4) of chunk row 16 w + 2 (l // 8) + second + 8 rho."""
         acc_mn = acc_mn_view(acc)
         assert cute.size(acc_mn, mode=[0]) == 2 and cute.size(acc_mn, mode=[1]) == 16
-        v = _lines_per_row_transpose(
-            [acc_mn[(i >> 4) & 1, i & 15] * out_scale for i in range(32)], lane)
+        odd = (lane & 4) != 0
+
+        def select(p, a, b):
+            return cutlass.Float32(cutlass.select_(p, a, b))
+
+        def shuffle_xor4(x):
+            return cute.arch.shuffle_sync_bfly(x, offset=4)
+
+        out = pair_rows_exchange([acc_mn[(i >> 4) & 1, i & 15] * out_scale for i in range(32)],
+                                 odd, select, shuffle_xor4)
         col0 = ch * 64 + 4 * (lane % 8)
         for rho in cutlass.range_constexpr(2):
-            for q0 in cutlass.range_constexpr(2):
+            for second in cutlass.range_constexpr(2):
                 for g2 in cutlass.range_constexpr(2):
-                    # slots after the transpose: g1 -> q0, g0 -> s0
-                    v0 = v[_flat(rho, g2, q0, 0, 0)]
-                    v1 = v[_flat(rho, g2, q0, 0, 1)]
-                    v2 = v[_flat(rho, g2, q0, 1, 0)]
-                    v3 = v[_flat(rho, g2, q0, 1, 1)]
-                    off = g_bases[2 * rho + q0] + cutlass.Int64(col0 + 32 * g2)
-                    if rows[2 * rho + q0] >= 0:
+                    v0, v1, v2, v3 = out[(rho, second, g2)]
+                    off = g_bases[2 * rho + second] + cutlass.Int64(col0 + 32 * g2)
+                    if rows[2 * rho + second] >= 0:
                         if cutlass.const_expr(self.deterministic):
                             st_global_v4_f32(mDKV.iterator + off, v0, v1, v2, v3)
                         else:
