@@ -28,6 +28,10 @@ beforehand, applied under jit to a random bf16 dO and dlse = 0, as in training w
 the loss) and fwdbwd (jax.value_and_grad of sum(o^2) under jit: forward, the loss's own
 elementwise work and the backward).
 FLOPs: fwd = 2*B*T*H*K*(Dqk + d_v), K = valid entries; bwd = 2.5 x fwd; fwd+bwd = 3.5 x fwd.
+Bytes (TB/s = bytes / time; what the op must move at least once, whatever the kernel): fwd =
+the gathered rows (K * Dqk bf16 per token) + q + o; bwd = the gathered rows + one fp32 add of
+each entry's dkv row (K * Dqk * 4 per token) + q, o, dO, dq; fwd+bwd = both. A dash in the
+table: not measured (no reference in the run).
 Bytes: gathered KV rows (K*Dqk per token) + q read + o written.
 """
 from __future__ import annotations
@@ -213,6 +217,8 @@ def main(argv=None):
         k_mean = valid / (batch * tokens)  # valid entries per token: the K of the FLOP count
         flops_fwd = 2.0 * h * valid * (d + D_V)
         bytes_fwd = 2.0 * (valid * d + q.size + q.size // d * D_V)
+        bytes_bwd = 6.0 * valid * d + 2.0 * (2 * q.size + 2 * (q.size // d) * D_V)
+        nbytes = {"fwd": bytes_fwd, "bwd": bytes_bwd, "fwdbwd": bytes_fwd + bytes_bwd}
         for passes in passes_list:
             if passes != "fwd" and tokens == 1:
                 continue  # decode has no backward
@@ -228,7 +234,7 @@ def main(argv=None):
                 rows.append(dict(shape=label, h=h, k=round(k_mean), t=tokens, s=seq, d=d, b=batch,
                                  passes=passes,
                                  impl=impl, us=t * 1e6, tflops=flops / t / 1e12,
-                                 tbs=bytes_fwd / t / 1e12 if passes == "fwd" else float("nan"),
+                                 tbs=nbytes[passes] / t / 1e12,
                                  mem_mb=device_bytes(fn, fn_args) / 2**20))
                 del fn_args
                 print(f"{label:20s} {passes:6s} {impl:8s} {t * 1e6:10.1f} us {rows[-1]['tflops']:7.1f} "
@@ -253,12 +259,17 @@ def write_report(rows, args):
     for r in rows:
         lines.append(f"| {r['shape']} | {r['h']} | {r['k']} | {r['b']} | {r['t']} | {r['s']} | "
                      f"{r['d']} | {r['passes']} | {r['impl']} | "
-                     f"{r['us']:.0f} | {r['tflops']:.1f} | {r['tbs']:.2f} | {r['mem_mb']:.0f} | "
-                     f"{r.get('vs_ref', float('nan')):.2f} |")
+                     f"{r['us']:.0f} | {r['tflops']:.1f} | {r['tbs']:.2f} | {_cell(r['mem_mb'], 0)} | "
+                     f"{_cell(r.get('vs_ref'), 2)} |")
     with open(os.path.join(args.out, "benchmark.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot_report(rows, head, args.out)
+
+
+def _cell(x, digits):
+    """A table cell: the number, or a dash where it was not measured."""
+    return "—" if x is None or math.isnan(x) else f"{x:.{digits}f}"
 
 
 def read_report(path):
