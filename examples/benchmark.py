@@ -32,7 +32,6 @@ Bytes (TB/s = bytes / time; what the op must move at least once, whatever the ke
 the gathered rows (K * Dqk bf16 per token) + q + o; bwd = the gathered rows + one fp32 add of
 each entry's dkv row (K * Dqk * 4 per token) + q, o, dO, dq; fwd+bwd = both. A dash in the
 table: not measured (no reference in the run).
-Bytes: gathered KV rows (K*Dqk per token) + q read + o written.
 """
 from __future__ import annotations
 
@@ -259,8 +258,8 @@ def write_report(rows, args):
     for r in rows:
         lines.append(f"| {r['shape']} | {r['h']} | {r['k']} | {r['b']} | {r['t']} | {r['s']} | "
                      f"{r['d']} | {r['passes']} | {r['impl']} | "
-                     f"{r['us']:.0f} | {r['tflops']:.1f} | {r['tbs']:.2f} | {_cell(r['mem_mb'], 0)} | "
-                     f"{_cell(r.get('vs_ref'), 2)} |")
+                     f"{r['us']:.0f} | {r['tflops']:.1f} | {r['tbs']:.2f} | "
+                     f"{_cell(r['mem_mb'], 0)} | {_cell(r.get('vs_ref'), 2)} |")
     with open(os.path.join(args.out, "benchmark.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

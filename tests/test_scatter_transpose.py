@@ -2,9 +2,9 @@
 (_scatter_smem, Dqk 512): every lane reads back exactly the row segment its RED adds, and
 neither the writes nor the reads have shared-memory bank conflicts; the row-pair exchange into
 the permuted column layout (_scatter, Dqk 576): every value lands once, at its permuted column,
-each warp instruction covers 4 rows x 128 bytes, and the wrapper's un-permutation restores it. The GPU tests check the kernel itself;
-this pins the index arithmetic, which a wrong XOR would break silently (only speed or some
-rows)."""
+each warp instruction covers 4 rows x 128 bytes, and the wrapper's un-permutation restores it.
+The GPU tests check the kernel itself; this pins the index arithmetic, which a wrong XOR would
+break silently (only speed or some rows)."""
 import numpy as np
 import pytest
 

@@ -8,6 +8,9 @@ in namespace jax_dsa), so that the handlers check the same limits. Plain Python:
 # The kernels' value width (d_v) and the head dims they are built for.
 D_V = 512
 HEAD_DIMS = (512, 576)
+# The head dims whose backward adds dkv in a permuted column order (no room for the shared-memory
+# transpose; ffi/kernels/sm90/scatter_layout.permuted_column), undone by jax_dsa/cute/ffi.py.
+PERMUTED_DKV_DIMS = (576,)
 # The most query heads one call may have (the 64-head tiles pad H inside the kernel).
 MAX_HEADS = 128
 # H up to this runs the small-heads forward (heads on wgmma's N side).

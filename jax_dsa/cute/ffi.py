@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_dsa.cute import deterministic
-from jax_dsa.cute.constants import D_V
+from jax_dsa.cute.constants import D_V, PERMUTED_DKV_DIMS
 
 LIB_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_lib",
                         "libjax_dsa_sm90.so")
@@ -189,12 +189,12 @@ def _bwd_shapes(q, kv):
 
 
 def _dkv_logical(dkv):
-    """The backward kernels at Dqk 576 add dkv in a permuted column order (each 16 columns
-    8 g0 + 2 s + c stored at 4 s + 2 g0 + c, so that a lane's values are contiguous:
-    ffi/kernels/sm90/scatter_layout.permuted_column); this restores the logical order (a
-    transpose that XLA fuses with the caller's cast). Dqk 512 is written in logical order."""
+    """The backward kernels at Dqk in PERMUTED_DKV_DIMS (576) add dkv in a permuted column
+    order (each 16 columns 8 g0 + 2 s + c stored at 4 s + 2 g0 + c, so that a lane's values are
+    contiguous: ffi/kernels/sm90/scatter_layout.permuted_column); this restores the logical
+    order (a transpose that XLA fuses with the caller's cast). Other dims are logical already."""
     b, s, d = dkv.shape
-    if d == D_V:
+    if d not in PERMUTED_DKV_DIMS:
         return dkv
     return dkv.reshape(b, s, d // 16, 4, 2, 2).transpose(0, 1, 2, 4, 3, 5).reshape(b, s, d)
 

@@ -55,7 +55,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 import cuda.bindings.driver as cuda
 
-from jax_dsa.cute.constants import MEMBER_SHIFT as GROUP_SHIFT
+from jax_dsa.cute.constants import MEMBER_SHIFT as GROUP_SHIFT, PERMUTED_DKV_DIMS
 
 from .common import (LOG2_E, acc_mn_view, bwd_fake_args, chunk16, compile_options,
                      cp_async_16_zfill, gather_source, load_block_indices, red_add_v4_f32,
@@ -101,7 +101,7 @@ class SparseMlaBwdSm90:
         # At Dqk 512 the scatter transposes each chunk through a 2 KB shared-memory scratch per
         # warp (_scatter_smem, logical column order); Dqk 576 has no room for the 16 KB and
         # writes the permuted column layout with one shuffle per value pair (_scatter).
-        self.smem_scatter = self.rope == 0
+        self.smem_scatter = d_qk not in PERMUTED_DKV_DIMS
         # Grouped: the 64 head rows are `group` consecutive tokens of 64 / group
         # heads each, and idx is the group's merged list (jax_dsa.cute.grouping.group_lists) with
         # the membership bits from bit GROUP_SHIFT up (grouping.pack_entries): head row i sees an
