@@ -1,10 +1,10 @@
 """The indexer's training target on the Hopper target kernel (ffi/kernels/sm90/attention_target.py).
 
 target[b, t, j] = sum_h p[b, t, h, j] / sum_{h, j} p[b, t, h, j] with p sparse_mla's
-probabilities (the sink in their denominator). One CTA per token and block of 64 heads loads Q
-once, gathers the token's rows 64 at a time (a two-stage cp.async ring), computes S = Q K^T by
-wgmma and sums exp2(S * scale - off) over its heads, off = logaddexp(lse, sink) (+inf for a dead
-head); `mass` sums the head blocks. jax_dsa.attention_target normalises.
+probabilities (the sink in their denominator). One CTA per token loads Q once, gathers the
+token's rows 64 at a time, computes S^T = K Q^T by wgmma (rows on M, heads on N) and sums
+exp2(S * scale - off) over each 64-head block, off = logaddexp(lse, sink) (+inf for a dead head);
+`mass` sums the head blocks. jax_dsa.attention_target normalises.
 """
 from __future__ import annotations
 
