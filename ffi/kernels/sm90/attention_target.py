@@ -20,17 +20,19 @@ H <= 64, 128 for 64 < H <= 128), so that each row is gathered once for all the t
     column tiles), into a ring of RING_SLABS slabs with a full and an empty mbarrier each
     (16-byte cp.async, 8 threads per row; invalid entries are zero rows that read nothing,
     their flags go out with a block's first slab);
-  * warpgroups 1 and 2, the consumers, compute S^T = K Q^T with the rows on wgmma's M and the
-    heads on N (wgmma 64 x 64 x 16, both operands in shared memory, 4 k-steps per slab; a
-    slab is released once the wgmmas after it were issued and it is done). With 128 heads each
-    consumer owns a 64-head Q tile and reads every slab; with 64 the consumers share one Q
-    tile and take alternate blocks. Heads >= H are zero rows of Q, never read from global.
+  * warpgroups 1 and 2, the consumers, take alternate blocks and compute S^T = K Q^T with the
+    rows on wgmma's M and all the variant's heads on N (wgmma 64 x heads x 16, both operands in
+    shared memory, one Q tile both read, 4 k-steps per slab; a slab is released once the
+    wgmmas after it were issued and it is done). While one consumer runs its epilogue, the
+    other's wgmmas keep the tensor pipe busy. Heads >= H are zero rows of Q, never read from
+    global.
 Epilogue per block: p = exp2(S scale log2(e) - off log2(e)) summed over the thread's 16 head
-columns of each of its two rows, then over the quad holding the row (two shuffles): a row's
-head sum needs no barrier; one store per entry and 64-head block, 0 for invalid entries.
+columns of each 64-head block in each of its two rows, then over the quad holding the row (two
+shuffles): a row's head sum needs no barrier; one store per entry and 64-head block, 0 for
+invalid entries.
 Shared memory: Q (72 KB per 64 heads at Dqk 576) + the ring (10 / 12 slabs at 128 heads,
-19 / 20 at 64) + 2 KB of flags: at most 227 KB. Registers: 127, no spills; no wgmma group is
-in flight across the block loop's back edge.
+19 / 20 at 64) + 2 KB of flags: at most 227 KB. Registers: 127-128, no spills; no wgmma group
+is in flight across the block loop's back edge.
 
 Entry point: compile_attention_target(dtype, d_qk, heads); ffi/build.py exports it as
 jax_dsa_attention_target_h<heads>_<dtype>_d<Dqk> (ffi/attention_target.cc picks by H).
@@ -65,10 +67,8 @@ class AttentionTargetSm90:
         self.d_qk = d_qk
         self.n_slab = d_qk // 64  # slabs per block
         self.n_ring = RING_SLABS[(heads, d_qk)]
-        self.q_tiles = heads // BM
-        self.q_bytes = BM * d_qk * 2  # one 64-head Q tile
-        # 128 heads: the consumers split the heads (each slab read by both); 64: the blocks
-        self.readers = self.q_tiles
+        self.heads = heads  # wgmma's N
+        self.n_hb = heads // BM  # 64-head blocks of the output
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor, mLen: cute.Tensor,
@@ -77,13 +77,13 @@ class AttentionTargetSm90:
                  stream: cuda.CUstream):
         k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128,
                                                  self.dtype)
-        q_layout = cute.tile_to_shape(k_atom, (BM, self.d_qk), (0, 1))
+        q_layout = cute.tile_to_shape(k_atom, (self.heads, self.d_qk), (0, 1))
         slab_layout = cute.tile_to_shape(k_atom, (BM, 64), (0, 1))
 
         @cute.struct
         class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype,
-                                                       self.q_tiles * BM * self.d_qk], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, self.heads * self.d_qk],
+                                  1024]
             sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, self.n_ring * BM * 64],
                                    1024]
             sValid: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, FLAG_BLOCKS * BM],
@@ -92,7 +92,7 @@ class AttentionTargetSm90:
 
         mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            cutlass.Float32, (1, 1, 1), (BM, BM))
+            cutlass.Float32, (1, 1, 1), (BM, self.heads))
         self.kernel(mQ, mKV, mIdx, mLen, mOff, mMass, T, H, S, K, scale, k_atom.inner,
                     q_layout.outer, slab_layout.outer, mma, SharedStorage).launch(
             grid=[B * T, 1, 1], block=[3 * WG_THREADS, 1, 1],
@@ -123,23 +123,16 @@ class AttentionTargetSm90:
         kv_smem = storage.sKV.data_ptr().toint()
         slab_bytes = BM * 128
 
-        # Q: at 128 heads each consumer loads its 64-head tile, at 64 consumer 1 loads the one
-        # tile both read (heads >= H: zeros, nothing read)
-        split = self.q_tiles == 2
-        loads_q = wg == 1
-        if cutlass.const_expr(split):
-            loads_q = wg > 0
-        if loads_q:
-            qt = wg - 1
-            h0 = qt * BM
-            load_rows_sw128(mQ.iterator.toint(), bt * cutlass.Int64(H) + cutlass.Int64(h0),
-                            H - h0, storage.sQ.data_ptr().toint() + qt * self.q_bytes,
-                            wtid // TPR, wtid % TPR, BM, self.d_qk * 2)
+        # Q, the tile both consumers read (heads >= H: zeros, nothing read), by consumer 1
+        if wg == 1:
+            load_rows_sw128(mQ.iterator.toint(), bt * cutlass.Int64(H), H,
+                            storage.sQ.data_ptr().toint(), wtid // TPR, wtid % TPR, self.heads,
+                            self.d_qk * 2)
             cute.arch.cp_async_commit_group()
         if tidx == 0:
             for i in cutlass.range_constexpr(NR):
                 cute.arch.mbarrier_init(mbar + i, 2 * WG_THREADS)  # 128 cp.async + 128 plain
-                cute.arch.mbarrier_init(mbar + NR + i, self.readers * WG_THREADS)
+                cute.arch.mbarrier_init(mbar + NR + i, WG_THREADS)  # the block's consumer
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -181,43 +174,34 @@ class AttentionTargetSm90:
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
         else:
-            # ---- consumers: S^T (64 rows x 64 heads) per block, slab by slab; at 128 heads
-            # consumer cg takes heads [64 cg, 64 cg + 64) of every block, at 64 heads all
-            # heads of the blocks blk % 2 == cg ----
+            # ---- consumers: S^T (64 rows x all heads) of the blocks blk % 2 == cg ----
             cg = wg - 1
-            h0 = cg * BM if cutlass.const_expr(self.q_tiles == 2) else 0
-            qt = cg if cutlass.const_expr(self.q_tiles == 2) else 0
-            blk0, blk_step = (0, 1) if cutlass.const_expr(self.q_tiles == 2) else (cg, 2)
-            mass_base = (bt * cutlass.Int64(self.q_tiles) + cutlass.Int64(qt)) * cutlass.Int64(K)
-            z0, z_step = (wtid, WG_THREADS) if cutlass.const_expr(self.q_tiles == 2) else (
-                tidx - WG_THREADS, 2 * WG_THREADS)
-            for j in cutlass.range(n_blocks * BM + z0, K, z_step, unroll=1):
-                mMass[mass_base + cutlass.Int64(j)] = cutlass.Float32(0.0)
+            ctid = tidx - WG_THREADS
+            for j in cutlass.range(n_blocks * BM + ctid, K, 2 * WG_THREADS, unroll=1):
+                for hb in cutlass.range_constexpr(self.n_hb):
+                    mMass[(bt * cutlass.Int64(self.n_hb) + cutlass.Int64(hb)) * cutlass.Int64(K)
+                          + cutlass.Int64(j)] = cutlass.Float32(0.0)
             thr = mma.get_slice(wtid)
-            tScS = acc_mn_view(thr.partition_C(cute.make_identity_tensor((BM, BM))))
+            tScS = acc_mn_view(thr.partition_C(cute.make_identity_tensor((BM, self.heads))))
             nc = cute.size(tScS, mode=[1])
             scale_log2 = scale * LOG2_E
             off_c = cute.make_rmem_tensor(nc, cutlass.Float32)  # log2 units; +inf: no head
             for c in cutlass.range_constexpr(nc):
-                h = h0 + tScS[0, c][1]
+                h = tScS[0, c][1]
                 v = cutlass.Float32.inf
                 if h < H:
                     v = mOff[bt * cutlass.Int64(H) + cutlass.Int64(h)] * LOG2_E
                 off_c[c] = v
             cute.arch.cp_async_wait_group(0)
             cute.arch.fence_proxy("async.shared", space="cta")
-            if cutlass.const_expr(split):
-                cute.arch.barrier(barrier_id=1 + cg, number_of_threads=WG_THREADS)
-            else:
-                cute.arch.barrier(barrier_id=1, number_of_threads=2 * WG_THREADS)
+            cute.arch.barrier(barrier_id=1, number_of_threads=2 * WG_THREADS)
             q_sw = cute.recast_ptr(storage.sQ.data_ptr(), swizzle_=swz)
-            sQ = cute.make_tensor(q_sw + cute.assume(qt * (BM * self.d_qk), divby=4096),
-                                  q_layout)
+            sQ = cute.make_tensor(q_sw, q_layout)
             tSrQ = thr.make_fragment_B(thr.partition_B(sQ))
             kv_sw = cute.recast_ptr(storage.sKV.data_ptr(), swizzle_=swz)
-            acc = thr.make_fragment_C(thr.partition_shape_C((BM, BM)))
+            acc = thr.make_fragment_C(thr.partition_shape_C((BM, self.heads)))
             S_mn = acc_mn_view(acc)
-            for blk in cutlass.range(blk0, n_blocks, blk_step, unroll=1):
+            for blk in cutlass.range(cg, n_blocks, 2, unroll=1):
                 warpgroup.fence()
                 for sl in cutlass.range_constexpr(NS):
                     s = blk * NS + sl
@@ -237,19 +221,23 @@ class AttentionTargetSm90:
                         cute.arch.mbarrier_arrive(mbar + NR + (s - 1) % NR)
                 warpgroup.wait_group(0)
                 cute.arch.mbarrier_arrive(mbar + NR + (blk * NS + NS - 1) % NR)
-                # each row's p summed over the thread's heads, then over the quad's
+                # each row's p summed over the thread's columns of each 64-head block (columns
+                # c < nc / 2 are heads < 64: wgmma's accumulator order), then over the quad's
                 for r in cutlass.range_constexpr(2):
-                    a = cutlass.Float32(0.0)
-                    for c in cutlass.range_constexpr(nc):
-                        a = a + cute.math.exp2(S_mn[r, c] * scale_log2 - off_c[c],
-                                               fastmath=True)
-                    a = quad_allreduce(a, lambda x, y: x + y)
                     rr = tScS[r, 0][0]
                     j = blk * BM + rr
-                    if wtid % 4 == 0 and j < K:
-                        ok = sValid[(blk % FLAG_BLOCKS) * BM + rr] != 0
-                        mMass[mass_base + cutlass.Int64(j)] = a if ok else cutlass.Float32(0.0)
-
+                    ok = sValid[(blk % FLAG_BLOCKS) * BM + rr] != 0
+                    for hb in cutlass.range_constexpr(self.n_hb):
+                        a = cutlass.Float32(0.0)
+                        for c in cutlass.range_constexpr(hb * nc // self.n_hb,
+                                                         (hb + 1) * nc // self.n_hb):
+                            a = a + cute.math.exp2(S_mn[r, c] * scale_log2 - off_c[c],
+                                                   fastmath=True)
+                        a = quad_allreduce(a, lambda x, y: x + y)
+                        if wtid % 4 == 0 and j < K:
+                            mMass[(bt * cutlass.Int64(self.n_hb) + cutlass.Int64(hb))
+                                  * cutlass.Int64(K) + cutlass.Int64(j)] = (
+                                a if ok else cutlass.Float32(0.0))
 
 def fake_args(dtype, d_qk: int):
     """q (B*T*H, Dqk), kv (B*S, Dqk), idx (B*T*K,), topk_length (B*T,), off (B*T*H,) f32,
