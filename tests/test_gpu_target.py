@@ -25,13 +25,16 @@ def _kernel_or_skip():
 
 
 # (B, T, H, Dqk, S, K, sink, topk): heads below, at and above one 64-head block (padded heads),
-# K not a multiple of the 64-entry block, partial lists, lists longer than S.
+# K not a multiple of the 64-entry block, partial lists, lists longer than S, and lists of more
+# than the kernel's 8 blocks of row flags (K 700: 11 blocks, the flag ring wraps).
 CASES = [
     (1, 6, 3, 512, 300, 100, False, "none"),
     (2, 5, 64, 576, 200, 64, True, "partial"),
     (1, 4, 100, 512, 1000, 300, True, "partial"),
     (1, 3, 128, 576, 150, 257, False, "full"),
     (2, 3, 17, 576, 40, 130, True, "none"),
+    (1, 4, 128, 576, 900, 700, True, "partial"),
+    (1, 3, 64, 512, 2000, 700, False, "full"),
 ]
 
 
