@@ -58,6 +58,8 @@ def exports():
                         "compile_fwd_pingpong", spec))
             out.append(("fwd", f"jax_dsa_fwd_small_heads_{dt}_d{d}", "fwd_small_heads",
                         "compile_fwd_small_heads", spec))
+            out.append(("fwd", f"jax_dsa_fwd_pingpong_split_{dt}_d{d}", "fwd_pingpong",
+                        "compile_fwd_pingpong", dict(spec, split=True)))
             out.append(("bwd", f"jax_dsa_bwd_{dt}_d{d}", "bwd", "compile_bwd", spec))
             out.append(("bwd", f"jax_dsa_bwd_det_{dt}_d{d}", "bwd", "compile_bwd",
                         dict(spec, deterministic=True)))

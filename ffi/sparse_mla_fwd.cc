@@ -8,9 +8,13 @@
 //
 //   args:  q [B, T, H, Dqk] bf16/f16, kv [B, S, Dqk] (dtype of q), idx [B, T, K] int32,
 //          topk_length [B, T] int32, sink [H] f32 (-inf: no sink)
-//   attrs: scale (f32), kernel (string: "pingpong" or "small_heads"), poison (int32, tests:
-//          NaN-fill the outputs before the launch, so that unwritten elements show)
-//   rets:  o [B, T, H, 512] (dtype of q), lse [B, T, H] f32
+//   attrs: scale (f32), kernel (string: "pingpong", "small_heads" or "pingpong_split"),
+//          poison (int32, tests: NaN-fill the outputs before the launch, so that unwritten
+//          elements show)
+//   rets:  o [B, T, H, 512] (dtype of q), lse [B, T, H] f32; for "pingpong_split" (decode)
+//          o [B, T, P, H, 512] and lse [B, T, P, H]: each token's list as P contiguous parts
+//          of ceil(K / P) entries, each part's softmax without the sink (the caller combines
+//          the parts by their lse and adds the sink)
 
 #include "common.h"  // first: defines the loaders' error hook
 
@@ -28,7 +32,7 @@ namespace {
 // Kernel launch arguments in the kernels' flattened form.
 struct FwdArgs {
   void *q, *kv, *idx, *len, *sink, *o, *lse;
-  int64_t rows_q, rows_kv, n_idx, n_tok, n_head;
+  int64_t rows_q, rows_kv, n_idx, n_tok, n_head, rows_o;
   int32_t B, T, H, S, K;
   float scale;
 };
@@ -41,8 +45,8 @@ struct FwdArgs {
       PREFIX##_Tensor_mIdx_t idx{a.idx, {a.n_idx}};                             \
       PREFIX##_Tensor_mLen_t len{a.len, {a.n_tok}};                             \
       PREFIX##_Tensor_mSink_t sink{a.sink, {a.n_head}};                         \
-      PREFIX##_Tensor_mO_t o{a.o, {a.rows_q}};                                  \
-      PREFIX##_Tensor_mLse_t lse{a.lse, {a.rows_q}};                            \
+      PREFIX##_Tensor_mO_t o{a.o, {a.rows_o}};                                  \
+      PREFIX##_Tensor_mLse_t lse{a.lse, {a.rows_o}};                            \
       return cute_dsl_##PREFIX##_wrapper(&module(), &q, &kv, &idx, &len, &sink, \
                                          &o, &lse, a.B, a.T, a.H, a.S, a.K,     \
                                          a.scale, s);                           \
@@ -73,10 +77,26 @@ ffi::Error SparseMlaFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
   if (o->element_type() != dt) return err("o must have the dtype of q");
   if (lse->element_type() != ffi::DataType::F32) return err("lse must be float32");
   if (!HasDims(sink.dimensions(), {H})) return err("sink must be [H], got " + Dims(sink.dimensions()));
-  if (!HasDims(o->dimensions(), {B, T, H, kDV}))
-    return err("o must be [B, T, H, " + std::to_string(kDV) + "], got " + Dims(o->dimensions()));
-  if (!HasDims(lse->dimensions(), {B, T, H}))
-    return err("lse must be [B, T, H], got " + Dims(lse->dimensions()));
+  int64_t P = 1;  // parts per token (the split form)
+  if (kernel == "pingpong_split") {
+    if (o->dimensions().size() != 5 || o->dimensions()[2] < 1)
+      return err("o must be [B, T, P, H, " + std::to_string(kDV) + "] with P >= 1, got " +
+                 Dims(o->dimensions()));
+    P = o->dimensions()[2];
+    if (!HasDims(o->dimensions(), {B, T, P, H, kDV}))
+      return err("o must be [B, T, P, H, " + std::to_string(kDV) + "], got " +
+                 Dims(o->dimensions()));
+    if (!HasDims(lse->dimensions(), {B, T, P, H}))
+      return err("lse must be [B, T, P, H], got " + Dims(lse->dimensions()));
+  } else {
+    if (!HasDims(o->dimensions(), {B, T, H, kDV}))
+      return err("o must be [B, T, H, " + std::to_string(kDV) + "], got " +
+                 Dims(o->dimensions()));
+    if (!HasDims(lse->dimensions(), {B, T, H}))
+      return err("lse must be [B, T, H], got " + Dims(lse->dimensions()));
+  }
+  if (T * P * ((H + 63) / 64) > INT32_MAX)
+    return err("too many (token, part, head block) CTAs for one launch");
   if (kernel == "small_heads" && H > kSmallHeads)  // it launches nothing above that
     return err("kernel small_heads takes H <= " + std::to_string(kSmallHeads) + ", got H=" +
                std::to_string(H));
@@ -114,6 +134,7 @@ ffi::Error SparseMlaFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
   a.n_idx = B * T * K;
   a.n_tok = B * T;
   a.n_head = H;
+  a.rows_o = B * T * P * H;
   a.B = static_cast<int32_t>(B);
   a.T = static_cast<int32_t>(T);
   a.H = static_cast<int32_t>(H);

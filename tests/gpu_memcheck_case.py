@@ -36,8 +36,9 @@ print("memcheck case done")
 # The decode path: each token's list split into parts (ragged last part, parts past
 # topk_length), by default (B = 4 tokens, H = 128, K = 600 -> 2 parts) and pinned (3 parts).
 from jax_dsa.cute import Config, FwdConfig  # noqa: E402
-for h, d, splits in ((128, 576, None), (100, 512, 3), (17, 576, 3)):
-    b, s, k = 4, 37, 600
+for h, d, splits, k in ((128, 576, None, 600), (100, 512, 3, 600), (17, 576, 3, 600),
+                        (64, 512, 8, 5)):  # 8 parts of one entry, 3 of them empty
+    b, s = 4, 37
     q = jnp.asarray(rng.standard_normal((b, 1, h, d)), jnp.bfloat16)
     kv = jnp.asarray(rng.standard_normal((b, s, d)), jnp.bfloat16)
     idx = jnp.asarray(rng.integers(-40, 80, (b, 1, k)).astype(np.int32))

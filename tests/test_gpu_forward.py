@@ -122,6 +122,8 @@ SPLIT_CASES = [
     (2, 2, 16, 512, 4096, 640, True, "partial", "small_heads", 5),
     (1, 4, 32, 576, 2000, 2048, False, "partial", "small_heads", 16),
     (3, 1, 8, 512, 300, 63, True, "none", "small_heads", 2),
+    (1, 2, 64, 512, 300, 5, True, "full", "pingpong", 4),  # the last part holds no entry
+    (2, 1, 128, 576, 300, 5, True, "partial", "pingpong", 8),  # parts of one entry, 3 empty
 ]
 
 

@@ -176,6 +176,21 @@ def sparse_mla_fwd(q, kv, idx, topk_length, sink, *, scale, kernel, poison_outpu
                  poison=np.int32(bool(poison_outputs)))
 
 
+def sparse_mla_fwd_parts(q, kv, idx, topk_length, sink, *, scale, parts, poison_outputs=False):
+    """The decode form of the pingpong forward: each token's list as `parts` contiguous parts
+    of ceil(K / parts) entries, one CTA per (token, part, 64 heads), each part's softmax
+    without the sink (sink [H] float32 is passed through, not read). Returns (o [B, T, parts,
+    H, 512] q.dtype, lse [B, T, parts, H] float32); a part without a valid entry has o = 0 and
+    lse = -inf. reference.combine_partials over axis 2 with the sink gives the forward over the
+    whole list."""
+    B, T, H, _ = q.shape
+    out = (jax.ShapeDtypeStruct((B, T, parts, H, D_V), q.dtype),
+           jax.ShapeDtypeStruct((B, T, parts, H), jnp.float32))
+    return _call("jax_dsa_sparse_mla_fwd_sm90", out, q, kv, _i32(idx), _i32(topk_length),
+                 _f32(sink), scale=np.float32(scale), kernel="pingpong_split",
+                 poison=np.int32(bool(poison_outputs)))
+
+
 def _bwd_args(q, kv, idx, topk_length, lse, do, o, coef):
     return (q, kv, _i32(idx), _i32(topk_length), _f32(lse), do.astype(q.dtype),
             o.astype(q.dtype), _f32(coef))

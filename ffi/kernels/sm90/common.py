@@ -268,15 +268,17 @@ def _vec(dtype, n, align=4):
     return make_fake_compact_tensor(dtype, (n,), assumed_align=align)
 
 
-def fwd_fake_args(dtype, d_qk: int, d_v: int):
+def fwd_fake_args(dtype, d_qk: int, d_v: int, separate_out_rows: bool = False):
     """Forward: q (B*T*H, Dqk), kv (B*S, Dqk), idx (B*T*K,), topk_length (B*T,), sink (H,),
-    o (B*T*H, d_v), lse (B*T*H,), then B, T, H, S, K, scale and the stream."""
+    o (B*T*H, d_v), lse (B*T*H,), then B, T, H, S, K, scale and the stream.
+    separate_out_rows: o and lse get a row count of their own (the split forward's B*T*P*H)."""
     rows_q, rows_kv, n_idx, n_tok, n_head = (cute.sym_int64() for _ in range(5))
+    rows_o = cute.sym_int64() if separate_out_rows else rows_q
     i32 = cutlass.Int32(1)
     return (
         _rows(dtype, rows_q, d_qk), _rows(dtype, rows_kv, d_qk), _vec(cutlass.Int32, n_idx),
-        _vec(cutlass.Int32, n_tok), _vec(cutlass.Float32, n_head), _rows(dtype, rows_q, d_v),
-        _vec(cutlass.Float32, rows_q), i32, i32, i32, i32, i32, cutlass.Float32(1.0),
+        _vec(cutlass.Int32, n_tok), _vec(cutlass.Float32, n_head), _rows(dtype, rows_o, d_v),
+        _vec(cutlass.Float32, rows_o), i32, i32, i32, i32, i32, cutlass.Float32(1.0),
         make_fake_stream(),
     )
 

@@ -29,8 +29,17 @@ without a valid entry gets o = 0 and lse = -inf, never NaN; all row offsets are 
 with an odd number of blocks runs its last pair without block 2m + 1 (the named barriers still
 run, so both consumers stay in step); a token without blocks runs the epilogue only.
 
-Entry point: compile_fwd_pingpong(dtype, d_qk), arguments common.fwd_fake_args (flattened
-row-major views); ffi/build.py exports it as jax_dsa_fwd_pingpong_<dtype>_d<Dqk>.
+Split (split=True, the decode form; jax_dsa/cute/config.py chooses it when the tokens alone
+leave the GPU empty): o and lse hold P parts per token ([B, T, P, H] rows, P from their size on
+the host, from the grid on the device); grid x runs (token, part, head block), and a CTA takes
+entries [p ceil(K / P), (p + 1) ceil(K / P)) of its token's list (fewer for the last parts,
+none past K; topk_length counts from the list's start), reads q at its token, and writes that
+part's softmax without the sink (o = 0, lse = -inf for a part without a valid entry). The
+caller combines the parts by lse and adds the sink (jax_dsa.reference.combine_partials).
+
+Entry point: compile_fwd_pingpong(dtype, d_qk, split=False), arguments common.fwd_fake_args
+(flattened row-major views); ffi/build.py exports it as jax_dsa_fwd_pingpong_<dtype>_d<Dqk> and
+jax_dsa_fwd_pingpong_split_<dtype>_d<Dqk>.
 """
 
 import cutlass
@@ -61,9 +70,11 @@ EMPTY_0L, EMPTY_0R, EMPTY_1L, EMPTY_1R = 4, 5, 6, 7
 
 
 class SparseMlaFwdPingPongSm90:
-    def __init__(self, dtype, d_qk: int, d_v: int = 512):
+    def __init__(self, dtype, d_qk: int, d_v: int = 512, split: bool = False):
         assert d_v == 512 and d_qk in (512, 576)
         self.dtype = dtype
+        # The decode form (module docstring, "Split"): each CTA takes one part of a token's list.
+        self.split = split
         self.d_qk = d_qk
         self.d_v = d_v
         self.bm = 64  # head rows per CTA
@@ -112,6 +123,10 @@ class SparseMlaFwdPingPongSm90:
         # Grid x runs (token, head block) with the head blocks of a token adjacent: a token's
         # CTAs gather the same rows close in time, so the second finds them in L2.
         grid = [T * n_head_blocks, 1, B]
+        if cutlass.const_expr(self.split):
+            # (token, part, head block); the part count is what o / lse were sized for.
+            n_parts = cutlass.Int32(cute.size(mLse) // cutlass.Int64(B * T * H))
+            grid = [T * n_parts * n_head_blocks, 1, B]
         kernel = self.kernel(
             mQ, mKV, mIdx, mLen, mSink, mO, mLse, T, H, S, K, scale * LOG2_E,
             k_atom.inner, sQ_layout.outer, sKV_layout.outer, sVt_layout.outer, sP_layout.outer,
@@ -370,10 +385,17 @@ class SparseMlaFwdPingPongSm90:
         n_hb = (H + bm - 1) // bm
         hb = th % n_hb
         t = th // n_hb
+        if cutlass.const_expr(self.split):
+            gx, _, _ = cute.arch.grid_dim()
+            n_parts = gx // (T * n_hb)
+            part_idx = t % n_parts
+            t = t // n_parts
         wg = tidx // 128
         h0 = hb * bm
         bt = cutlass.Int64(b) * cutlass.Int64(T) + cutlass.Int64(t)
         topk_len = mLen[bt]
+        bt_out = bt  # o / lse row of this CTA's (token, part)
+        list_len = K  # entries of idx this CTA may read
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -385,6 +407,13 @@ class SparseMlaFwdPingPongSm90:
         mbar = storage.mbar.data_ptr()
         stage_elems = cute.cosize(sKV_layout)
         idx_base = bt * cutlass.Int64(K)
+        if cutlass.const_expr(self.split):
+            part = (K + n_parts - 1) // n_parts
+            j0 = part_idx * part
+            list_len = cutlass.max(cutlass.min(part, K - j0), 0)
+            idx_base = idx_base + cutlass.Int64(j0)
+            topk_len = topk_len - j0
+            bt_out = bt * cutlass.Int64(n_parts) + cutlass.Int64(part_idx)
         kv_batch = cutlass.Int64(b) * cutlass.Int64(S)
         # Before topk_length is consumed (one HBM latency less before the first Q K^T): the
         # producer loads its first pair's indices (j < K stays inside idx; _produce masks them
@@ -393,8 +422,8 @@ class SparseMlaFwdPingPongSm90:
         pre1 = cute.make_rmem_tensor(self.p_passes, cutlass.Int32)
         if wg == 0:
             prow = tidx // self.p_tpr
-            load_block_indices(mIdx, pre0, 0, K, idx_base, prow, *self._idx_walk)
-            load_block_indices(mIdx, pre1, 1, K, idx_base, prow, *self._idx_walk)
+            load_block_indices(mIdx, pre0, 0, list_len, idx_base, prow, *self._idx_walk)
+            load_block_indices(mIdx, pre1, 1, list_len, idx_base, prow, *self._idx_walk)
         else:
             self._issue_q(mQ, q_base, swz, sQ_layout, bt, h0, H, (tidx - 128) // self.tpr,
                           (tidx - 128) % self.tpr)
@@ -406,7 +435,7 @@ class SparseMlaFwdPingPongSm90:
                 cute.arch.mbarrier_init(mbar + 4 + i, 128)  # empty: one consumer group
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-        k_eff = cutlass.min(K, cutlass.max(topk_len, 0))
+        k_eff = cutlass.min(list_len, cutlass.max(topk_len, 0))
         n_blocks = (k_eff + bn - 1) // bn
         n_pairs = (n_blocks + 1) // 2
 
@@ -666,7 +695,8 @@ class SparseMlaFwdPingPongSm90:
             # (its consumer barrier also orders every wgmma / P tile / Q read of both groups
             # before the O staging)
             self._epilogue(acc_O, row_sum, row_max, tScS, sRed, mSink, mLse, mO, q_base,
-                           sO_layout, sOg_layout, pv_rs, bt, h0, H, cg, gtid, crow, csub, q_ok)
+                           sO_layout, sOg_layout, pv_rs, bt_out, h0, H, cg, gtid, crow, csub,
+                           q_ok)
 
     @cute.jit
     def _issue_q(self, mQ: cute.Tensor, q_base, swz: cute.Swizzle, sQ_layout: cute.Layout,
@@ -719,8 +749,9 @@ class SparseMlaFwdPingPongSm90:
             m_use = 0.0 if m == -cutlass.Float32.inf else m
             h = h0 + tScS[r, 0][0]
             denom = l
-            if h < H:
-                denom = l + cute.math.exp2(mSink[h] * LOG2_E - m_use, fastmath=True)
+            if cutlass.const_expr(not self.split):  # a split's parts leave the sink to the combine
+                if h < H:
+                    denom = l + cute.math.exp2(mSink[h] * LOG2_E - m_use, fastmath=True)
             inv = 0.0 if denom <= 0.0 else 1.0 / denom
             O_mn[r, None] = O_mn[r, None].load() * inv
             if cg == 0 and gtid % 4 == 0 and h < H:
@@ -764,8 +795,8 @@ class SparseMlaFwdPingPongSm90:
                 cute.copy(st_atom, chunk16(sO, crow, c), chunk16(mO, o_row, c))
 
 
-def compile_fwd_pingpong(dtype, d_qk: int, d_v: int = 512):
-    """Compile with shape-only tensors (common.fwd_fake_args)."""
-    return cute.compile(SparseMlaFwdPingPongSm90(dtype, d_qk, d_v),
-                        *fwd_fake_args(dtype, d_qk, d_v))
+def compile_fwd_pingpong(dtype, d_qk: int, d_v: int = 512, split: bool = False):
+    """Compile with shape-only tensors (common.fwd_fake_args); split: the decode form."""
+    return cute.compile(SparseMlaFwdPingPongSm90(dtype, d_qk, d_v, split=split),
+                        *fwd_fake_args(dtype, d_qk, d_v, separate_out_rows=split))
 
