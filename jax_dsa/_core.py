@@ -61,6 +61,48 @@ def _backward_kernel_built() -> bool:
     return ffi.has_backward()
 
 
+def one_pool(kv, idx, topk_length, kv2, idx2, topk_length2):
+    """(kv, idx, topk_length) of one pool holding both: the pools concatenated along S, the
+    lists side by side with the second's rows offset by S1 and every invalid entry (out of its
+    pool's range or past its length) -1, so that none points into the other pool."""
+    s1, s2 = kv.shape[1], kv2.shape[1]
+
+    def valid(i, length, s):
+        return (i >= 0) & (i < s) & (jnp.arange(i.shape[2])[None, None, :] < length[..., None])
+
+    both = jnp.concatenate([jnp.where(valid(idx, topk_length, s1), idx, -1),
+                            jnp.where(valid(idx2, topk_length2, s2), idx2 + s1, -1)], axis=2)
+    length = jnp.full(both.shape[:2], both.shape[2], jnp.int32)
+    return jnp.concatenate([kv, kv2.astype(kv.dtype)], axis=1), both, length
+
+
+def _local_forward_two_pool(q, kv, idx, topk_length, kv2, idx2, topk_length2, sink, *, scale,
+                            d_v, impl, config, deterministic):
+    """The two-pool forward of one shard: the two-pool kernel where the resolved forward is
+    the unsplit pingpong kernel, else the one-pool forward over the concatenation."""
+    def concatenated(impl_):
+        kv_c, idx_c, len_c = one_pool(kv, idx, topk_length, kv2, idx2, topk_length2)
+        return _local_forward(q, kv_c, idx_c, len_c, sink, scale=scale, d_v=d_v, impl=impl_,
+                              config=config, deterministic=deterministic)
+
+    def kernel(*_):
+        from jax_dsa.cute import ffi
+        from jax_dsa.cute.config import FwdConfig
+        k, s = idx.shape[-1] + idx2.shape[-1], kv.shape[1] + kv2.shape[1]
+        cfg = kernel_config.resolve(config, q.shape, k, s, deterministic)
+        if (cfg.fwd == FwdConfig("pingpong", 1) and idx.shape[-1] > 0
+                and ffi.has_two_pool_forward()):
+            return ffi.sparse_mla_fwd_two_pool(q, kv, idx, topk_length, kv2, idx2,
+                                               topk_length2, sink, scale=scale)
+        return concatenated("cute")
+
+    if impl == "xla":
+        return concatenated("xla")
+    if impl == "cute":
+        return kernel()
+    return lax.platform_dependent(q, cuda=kernel, default=lambda *_: concatenated("xla"))
+
+
 @functools.lru_cache(maxsize=None)
 def _ops(scale: float, d_v: int, impl: str, config, deterministic: bool):
     local = dict(config=config, deterministic=deterministic)
@@ -92,3 +134,43 @@ def _attention_bwd(scale, d_v, impl, config, deterministic, residuals, cotangent
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_two_pool(scale: float, d_v: int, impl: str, config, deterministic: bool):
+    local = functools.partial(_local_forward_two_pool, config=config,
+                              deterministic=deterministic)
+    return sharding.make_forward_two_pool(local, scale, d_v, impl)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
+def attention_two_pool(q, kv, idx, topk_length, kv2, idx2, topk_length2, sink, scale, d_v, impl,
+                       config, deterministic):
+    """attention over two pools in one softmax (token t's entries: idx[b, t] into kv, then
+    idx2[b, t] into kv2), as `attention` over `one_pool`'s concatenation gives it. The forward
+    reads both pools in place where the kernel allows; the backward runs over the
+    concatenation and splits dkv back into the pools."""
+    fwd = _forward_two_pool(scale, d_v, impl, config, deterministic)
+    return fwd(q, kv, idx, topk_length, kv2, idx2, topk_length2, sink)
+
+
+def _attention_two_pool_fwd(q, kv, idx, topk_length, kv2, idx2, topk_length2, sink, scale, d_v,
+                            impl, config, deterministic):
+    fwd = _forward_two_pool(scale, d_v, impl, config, deterministic)
+    o, lse = fwd(q, kv, idx, topk_length, kv2, idx2, topk_length2, sink)
+    return (o, lse), (q, kv, idx, topk_length, kv2, idx2, topk_length2, sink, o, lse)
+
+
+def _attention_two_pool_bwd(scale, d_v, impl, config, deterministic, residuals, cotangents):
+    q, kv, idx, topk_length, kv2, idx2, topk_length2, sink, o, lse = residuals
+    do, dlse = cotangents
+    kv_c, idx_c, len_c = one_pool(kv, idx, topk_length, kv2, idx2, topk_length2)
+    _, bwd = _ops(scale, d_v, impl, config, deterministic)
+    dq, dkv, dsink = bwd(q, kv_c, idx_c, len_c, sink, o, lse, do.astype(o.dtype),
+                         dlse.astype(lse.dtype))
+    s1 = kv.shape[1]
+    return (dq, dkv[:, :s1].astype(kv.dtype), None, None, dkv[:, s1:].astype(kv2.dtype), None,
+            None, jnp.sum(dsink, axis=0))
+
+
+attention_two_pool.defvjp(_attention_two_pool_fwd, _attention_two_pool_bwd)

@@ -57,9 +57,10 @@ def sparse_mla(q, kv, idx, *, scale=None, sink=None, topk_length=None, d_v=None,
         its own lists ([B, T, K2] int32, optional lengths [B, T]), e.g. DeepSeek-V4's sliding
         window over the raw KV next to the top-k over the compressed KV. Each token attends to
         the entries of both lists under one softmax (and the sink); gradients reach both. It
-        runs as one attention over the two pools concatenated inside the op (the lists side by
-        side), or, where copying the pools would move more bytes than combining (decode: few
-        tokens against long pools), as one call per pool combined by their lse
+        runs as one attention over both pools (on the kernels the forward reads each pool in
+        place; the backward, and the reference, work on the pools concatenated inside the op),
+        or, where copying the pools would move more bytes than combining (decode: few tokens
+        against long pools), as one call per pool combined by their lse
         (jax_dsa.reference.combine_partials).
 
     Returns:
@@ -122,28 +123,12 @@ def _concatenate_pools(q_shape, s1: int, s2: int, d_qk: int, d_v: int) -> bool:
     return 2 * (s1 + s2) * d_qk < 3 * t * h * d_v
 
 
-def _one_pool(kv, idx, topk_length, kv2, idx2, topk_length2):
-    """(kv, idx) of one pool holding both: the pools concatenated along S, the lists side by
-    side with the second's rows offset by S1 and every invalid entry (out of its pool's range
-    or past its length) -1, so that none points into the other pool."""
-    s1, s2 = kv.shape[1], kv2.shape[1]
-
-    def valid(i, length, s):
-        return (i >= 0) & (i < s) & (jnp.arange(i.shape[2])[None, None, :] < length[..., None])
-
-    both = jnp.concatenate([jnp.where(valid(idx, topk_length, s1), idx, -1),
-                            jnp.where(valid(idx2, topk_length2, s2), idx2 + s1, -1)], axis=2)
-    return jnp.concatenate([kv, kv2], axis=1), both
-
-
 def _two_pool_attention(q, kv, idx, topk_length, kv2, idx2, topk_length2, sink, scale, d_v,
                         impl, impl2, config, deterministic):
     if impl == impl2 and _concatenate_pools(q.shape, kv.shape[1], kv2.shape[1], q.shape[3],
                                             d_v):
-        kv_cat, idx_cat = _one_pool(kv, idx, topk_length, kv2, idx2, topk_length2)
-        length = jnp.full(idx_cat.shape[:2], idx_cat.shape[2], jnp.int32)
-        return _core.attention(q, kv_cat, idx_cat, length, sink, scale, d_v, impl, config,
-                               deterministic)
+        return _core.attention_two_pool(q, kv, idx, topk_length, kv2, idx2, topk_length2, sink,
+                                        scale, d_v, impl, config, deterministic)
     no_sink = jnp.full_like(sink, -jnp.inf)
     o1, lse1 = _core.attention(q, kv, idx, topk_length, no_sink, scale, d_v, impl, config,
                                deterministic)

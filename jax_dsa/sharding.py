@@ -26,10 +26,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 # Operands: q [b t h d], kv [b s d], idx [b t k], topk_length [b t], sink [h].
 _FWD_RULE = "b t h d, b s d, b t k, b t, h -> b t h v, b t h"
+# The two-pool forward adds pool 2 (kv2 [b r d], idx2 [b t n], topk_length2 [b t]) before sink.
+_FWD2_RULE = "b t h d, b s d, b t k, b t, b r d, b t n, b t, h -> b t h v, b t h"
 # Backward adds o, lse, do, dlse; returns dq, dkv (fp32), dsink per batch entry [b h].
 _BWD_RULE = ("b t h d, b s d, b t k, b t, h, b t h v, b t h, b t h v, b t h"
              " -> b t h d, b s d, b h")
 _REPLICATED_FACTORS = ("d", "s", "k", "v")
+_REPLICATED_FACTORS2 = ("d", "s", "k", "r", "n", "v")  # in order of appearance
 # The indexer: q [b t h d], k [b s d], weights [b t h], positions [b t] -> scores, idx [b t n].
 _INDEXER_RULE = "b t h d, b s d, b t h, b t -> b t n, b t n"
 # The attention target's mass: q, kv, idx, topk_length, off [b t h] -> mass summed over heads.
@@ -65,6 +68,11 @@ def _fwd_specs(b, t, h):
     args = (P(b, t, h, None), P(b, None, None), P(b, t, None), P(b, t), P(h))
     outs = (P(b, t, h, None), P(b, t, h))
     return args, outs
+
+
+def _fwd2_specs(b, t, h):
+    (q, kv, idx, length, sink), outs = _fwd_specs(b, t, h)
+    return (q, kv, idx, length, kv, idx, length, sink), outs
 
 
 def _bwd_specs(b, t, h):
@@ -125,6 +133,29 @@ def make_forward(local_fwd: Callable, scale: float, d_v: int, impl: str):
     op.def_partition(partition=partition, infer_sharding_from_operands=infer,
                      sharding_rule=_FWD_RULE, need_replication_factors=_REPLICATED_FACTORS)
     return _fold_vmap(op, num_outputs=2)
+
+
+def make_forward_two_pool(local_fwd: Callable, scale: float, d_v: int, impl: str):
+    """Partitioned, vmappable two-pool forward: (q, kv, idx, topk_length, kv2, idx2,
+    topk_length2, sink) -> (o, lse); pool 2 shards like pool 1."""
+
+    def body(q, kv, idx, topk_length, kv2, idx2, topk_length2, sink):
+        return local_fwd(q, kv, idx, topk_length, kv2, idx2, topk_length2, sink, scale=scale,
+                         d_v=d_v, impl=impl)
+
+    op = custom_partitioning(body)
+
+    def infer(mesh, arg_shapes, result_shape):
+        _, outs = _fwd2_specs(*_q_layout(arg_shapes))
+        return _named(mesh, outs)
+
+    def partition(mesh, arg_shapes, result_shape):
+        args, outs = _fwd2_specs(*_q_layout(arg_shapes))
+        return mesh, body, _named(mesh, outs), _named(mesh, args)
+
+    op.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                     sharding_rule=_FWD2_RULE, need_replication_factors=_REPLICATED_FACTORS2)
+    return _fold_vmap(op, num_outputs=2, sink_pos=7)
 
 
 def make_backward(local_bwd: Callable, scale: float, d_v: int, impl: str):

@@ -51,6 +51,24 @@ for h, d, splits, k in ((128, 576, None, 600), (100, 512, 3, 600), (17, 576, 3, 
     print(f"split H={h} Dqk={d} splits={splits}: ok")
 print("split memcheck case done")
 
+# The two-pool forward kernel: each pool's invalid entries on both sides of its range, partial
+# lengths, pool 1's list not a multiple of 64, padded heads.
+from jax_dsa.cute import ffi as cute_ffi  # noqa: E402
+for h, d, k1 in ((100, 576, 100), (64, 512, 1)):
+    b, t, s1, s2, k2 = 2, 5, 37, 23, 150
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16)
+    kv1 = jnp.asarray(rng.standard_normal((b, s1, d)), jnp.bfloat16)
+    kv2 = jnp.asarray(rng.standard_normal((b, s2, d)), jnp.bfloat16)
+    idx1 = jnp.asarray(rng.integers(-40, 80, (b, t, k1)).astype(np.int32))
+    idx2 = jnp.asarray(rng.integers(-40, 80, (b, t, k2)).astype(np.int32))
+    tl1 = jnp.asarray(rng.integers(0, k1 + 1, (b, t)).astype(np.int32))
+    tl2 = jnp.asarray(rng.integers(0, k2 + 1, (b, t)).astype(np.int32))
+    o, lse = cute_ffi.sparse_mla_fwd_two_pool(q, kv1, idx1, tl1, kv2, idx2, tl2, jnp.zeros(h),
+                                              scale=d ** -0.5)
+    assert not np.isnan(np.asarray(o, np.float32)).any()
+    print(f"two pools H={h} Dqk={d} K1={k1}: ok")
+print("two-pool memcheck case done")
+
 # Backward through the kernels on the same kind of problem, atomic and deterministic; H = 32, 16
 # and 8 with T = 8 run grouped (the list-union kernel, then 2, 4 or 8 tokens per 64-row token).
 for h, d, det, t in ((100, 576, False, 5), (100, 512, False, 5), (17, 512, False, 5),

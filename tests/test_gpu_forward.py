@@ -3,6 +3,7 @@
 Outputs are poisoned: the FFI handler's test switch fills o and lse with NaN on the stream
 before the launch, so an element the kernel fails to write reads NaN.
 """
+import dataclasses
 import functools
 import zlib
 
@@ -272,3 +273,72 @@ def test_million_tokens_and_64bit_row_addressing():
     s_exp = np.einsum("thd,td->th", np.asarray(q[0], np.float32),
                       np.asarray(kv[0, rows[0, :, 0]], np.float32)) * 576 ** -0.5
     np.testing.assert_allclose(np.asarray(lse[0]), s_exp, rtol=1e-3, atol=1e-3)
+
+
+# Two pools read in place by the two-pool forward kernel (ffi.sparse_mla_fwd_two_pool), against
+# the oracle on the concatenation. (B, T, H, Dqk, S1, K1, S2, K2, sink, topk1, topk2): pool 1's
+# list not a multiple of the 64-row block (100, 1), partial / no lengths, invalid entries on
+# both sides of each pool (make_problem's lists), dead tokens, padded heads.
+TWO_POOL_CASES = [
+    (2, 12, 128, 576, 600, 128, 300, 640, True, "partial", "partial"),
+    (1, 16, 64, 512, 200, 100, 90, 70, False, "none", "partial"),
+    (1, 9, 100, 576, 50, 1, 40, 200, True, "full", "none"),
+    (2, 5, 40, 512, 64, 130, 700, 1152, True, "partial", "full"),
+]
+
+
+@pytest.mark.parametrize("case", TWO_POOL_CASES, ids=lambda c: "B{}T{}H{}D{}-{}x{}+{}x{}".format(
+    *c[:8]))
+def test_two_pool_forward_kernel_matches_oracle(case):
+    _kernel_or_skip()
+    from jax_dsa import _core
+    from jax_dsa.cute import ffi
+    b, t, h, d, s1, k1, s2, k2, sink, topk1, topk2 = case
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+    p1 = make_problem(rng, b, t, h, d, s1, k1, sink=sink, topk=topk1)
+    p2 = make_problem(rng, b, t, h, d, s2, k2, topk=topk2)
+    q = jnp.asarray(p1.q, jnp.bfloat16)
+    kv1, kv2 = jnp.asarray(p1.kv, jnp.bfloat16), jnp.asarray(p2.kv, jnp.bfloat16)
+    sink_arr = np.full(h, -np.inf, np.float32) if p1.sink is None else p1.sink
+    fwd = jax.jit(functools.partial(ffi.sparse_mla_fwd_two_pool, scale=p1.scale,
+                                    poison_outputs=True))
+    o, lse = fwd(q, kv1, jnp.asarray(p1.idx), jnp.asarray(p1.lengths), kv2, jnp.asarray(p2.idx),
+                 jnp.asarray(p2.lengths), jnp.asarray(sink_arr))
+    kv_cat, idx_cat, len_cat = (np.asarray(x) for x in _core.one_pool(
+        kv1, jnp.asarray(p1.idx), jnp.asarray(p1.lengths), kv2, jnp.asarray(p2.idx),
+        jnp.asarray(p2.lengths)))
+    cat = dataclasses.replace(p1, kv=kv_cat.astype(np.float32), idx=idx_cat, topk_length=len_cat)
+    _assert_matches_oracle(cat, q, kv_cat, o, lse, p1.scale)
+
+
+def test_two_pools_run_the_two_pool_kernel_and_match_the_one_pool_kernel():
+    """Prefill with two pools (the V4 layout: a window over the raw KV, a top-k over the
+    compressed KV) runs the two-pool forward kernel (no concatenate in the program) and gives
+    the one-pool kernel's result on the concatenation."""
+    _kernel_or_skip()
+    from jax_dsa import _core
+    rng = np.random.default_rng(5)
+    p1 = make_problem(rng, 1, 128, 64, 512, 4096, 128, sink=True, topk="partial")
+    p2 = make_problem(rng, 1, 128, 64, 512, 1024, 512, topk="partial")
+    q = jnp.asarray(p1.q, jnp.bfloat16)
+    kv1, kv2 = jnp.asarray(p1.kv, jnp.bfloat16), jnp.asarray(p2.kv, jnp.bfloat16)
+    args = (jnp.asarray(p1.idx), jnp.asarray(p1.topk_length), jnp.asarray(p2.idx),
+            jnp.asarray(p2.topk_length), jnp.asarray(p1.sink))
+
+    def two(q, kv1, kv2, i1, l1, i2, l2, sink):
+        return jax_dsa.sparse_mla(q, kv1, i1, sink=sink, topk_length=l1, return_lse=True,
+                                  implementation="cute", extra_kv=kv2, extra_idx=i2,
+                                  extra_topk_length=l2)
+
+    text = jax.jit(two).lower(q, kv1, kv2, *args).as_text()
+    assert "jax_dsa_sparse_mla_fwd_two_pool_sm90" in text and "concatenate" not in text
+    o2, lse2 = jax.jit(two)(q, kv1, kv2, *args)
+    kv_c, idx_c, len_c = _core.one_pool(kv1, args[0], args[1], kv2, args[2], args[3])
+    o1, lse1 = jax.jit(functools.partial(jax_dsa.sparse_mla, return_lse=True,
+                                         implementation="cute"))(q, kv_c, idx_c, sink=args[4],
+                                                                  topk_length=len_c)
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse2)), np.isneginf(np.asarray(lse1)))
+    assert rel_err(np.asarray(o2, np.float32), np.asarray(o1, np.float32)) < 1e-2
+    live = np.isfinite(np.asarray(lse1))
+    np.testing.assert_allclose(np.asarray(lse2)[live], np.asarray(lse1)[live], rtol=1e-5,
+                               atol=1e-4)

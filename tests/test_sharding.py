@@ -93,3 +93,41 @@ def test_shard_map_head_parallel_matches_unsharded():
 
     got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(p.q, p.kv, p.sink)
     _assert_same(got, _unsharded(p, w_o, w_l))
+
+
+@pytest.mark.parametrize("concatenate", [False, True], ids=["combined", "in_one_softmax"])
+def test_two_pools_under_named_shardings_match_unsharded(concatenate, monkeypatch):
+    """extra_kv / extra_idx with q sharded over batch, tokens and heads: o, lse and the
+    gradients of q, both pools and the sink as unsharded, and q is never gathered."""
+    from jax_dsa import api
+    monkeypatch.setattr(api, "_concatenate_pools", lambda *a: concatenate)
+    jax.clear_caches()
+    p, w_o, w_l = _problem()
+    p2 = make_problem(np.random.default_rng(24), 2, 4, 16, 48, 30, 7, topk="partial", d_v=32)
+
+    def loss(q, kv, kv2, sink, idx, tl, idx2, tl2):
+        o, lse = jax_dsa.sparse_mla(q, kv, idx, sink=sink, topk_length=tl, d_v=32,
+                                    return_lse=True, extra_kv=kv2, extra_idx=idx2,
+                                    extra_topk_length=tl2)
+        return jnp.sum(o * w_o) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_l), (o, lse)
+
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+    args = (p.q, p.kv, p2.kv, p.sink, p.idx, p.topk_length, p2.idx, p2.topk_length)
+    want = f(*args)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "tok", "head"))
+    put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+    specs = (P("data", "tok", "head", None), P("data", None, None), P("data", None, None),
+             P("head"), P("data", "tok", None), P("data", "tok"), P("data", "tok", None),
+             P("data", "tok"))
+    sharded = tuple(put(x, s) for x, s in zip(args, specs))
+    got = f(*sharded)
+    (l1, (o1, lse1)), g1 = got
+    (l2, (o2, lse2)), g2 = want
+    np.testing.assert_allclose(o1, o2, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse1, lse2, rtol=1e-5)
+    np.testing.assert_allclose(l1, l2, rtol=1e-5)
+    for a, b in zip(g1, g2):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert o1.sharding.is_equivalent_to(NamedSharding(mesh, specs[0]), 4)
+    hlo = f.lower(*sharded).compile().as_text()
+    assert "all-gather" not in hlo and "all-to-all" not in hlo

@@ -25,6 +25,7 @@ LIB_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 # FFI target name -> the library's handler symbol.
 TARGETS = {
     "jax_dsa_sparse_mla_fwd_sm90": "JaxDsaSparseMlaFwdSm90",
+    "jax_dsa_sparse_mla_fwd_two_pool_sm90": "JaxDsaSparseMlaFwdTwoPoolSm90",
     "jax_dsa_sparse_mla_bwd_sm90": "JaxDsaSparseMlaBwdSm90",
     "jax_dsa_sparse_mla_bwd_deterministic_sm90": "JaxDsaSparseMlaBwdDeterministicSm90",
     "jax_dsa_sparse_mla_bwd_grouped_sm90": "JaxDsaSparseMlaBwdGroupedSm90",
@@ -127,6 +128,11 @@ def _num_kernels(symbol: str) -> int:
         return 0
 
 
+def has_two_pool_forward() -> bool:
+    """True when the library holds the two-pool forward kernels. Never raises."""
+    return _num_kernels("JaxDsaFwdTwoPoolNumKernels") > 0
+
+
 def has_backward() -> bool:
     """True when the library holds the backward kernels. Never raises."""
     return _num_kernels("JaxDsaBwdNumKernels") > 0
@@ -189,6 +195,20 @@ def sparse_mla_fwd_parts(q, kv, idx, topk_length, sink, *, scale, parts, poison_
     return _call("jax_dsa_sparse_mla_fwd_sm90", out, q, kv, _i32(idx), _i32(topk_length),
                  _f32(sink), scale=np.float32(scale), kernel="pingpong_split",
                  poison=np.int32(bool(poison_outputs)))
+
+
+def sparse_mla_fwd_two_pool(q, kv, idx, topk_length, kv2, idx2, topk_length2, sink, *, scale,
+                            poison_outputs=False):
+    """The pingpong forward over two pools in one softmax: token t's entries are idx[b, t]
+    (rows of kv, valid below topk_length) then idx2[b, t] (rows of kv2, below topk_length2).
+    Returns (o [B, T, H, 512] q.dtype, lse [B, T, H] float32), as sparse_mla_fwd over the
+    pools' concatenation would."""
+    B, T, H, _ = q.shape
+    out = (jax.ShapeDtypeStruct((B, T, H, D_V), q.dtype),
+           jax.ShapeDtypeStruct((B, T, H), jnp.float32))
+    return _call("jax_dsa_sparse_mla_fwd_two_pool_sm90", out, q, kv, _i32(idx),
+                 _i32(topk_length), kv2.astype(q.dtype), _i32(idx2), _i32(topk_length2),
+                 _f32(sink), scale=np.float32(scale), poison=np.int32(bool(poison_outputs)))
 
 
 def _bwd_args(q, kv, idx, topk_length, lse, do, o, coef):

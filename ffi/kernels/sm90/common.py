@@ -283,6 +283,21 @@ def fwd_fake_args(dtype, d_qk: int, d_v: int, separate_out_rows: bool = False):
     )
 
 
+def fwd_two_pool_fake_args(dtype, d_qk: int, d_v: int):
+    """Two-pool forward: q (B*T*H, Dqk), kv (B*S, Dqk), idx (B*T*K,), topk_length (B*T,), kv2
+    (B*S2, Dqk), idx2 (B*T*K2,), topk_length2 (B*T,), sink (H,), o (B*T*H, d_v), lse (B*T*H,),
+    then B, T, H, S, K, S2, K2, scale and the stream."""
+    rows_q, rows_kv, n_idx, n_tok, rows_kv2, n_idx2, n_head = (cute.sym_int64() for _ in range(7))
+    i32 = cutlass.Int32(1)
+    return (
+        _rows(dtype, rows_q, d_qk), _rows(dtype, rows_kv, d_qk), _vec(cutlass.Int32, n_idx),
+        _vec(cutlass.Int32, n_tok), _rows(dtype, rows_kv2, d_qk), _vec(cutlass.Int32, n_idx2),
+        _vec(cutlass.Int32, n_tok), _vec(cutlass.Float32, n_head), _rows(dtype, rows_q, d_v),
+        _vec(cutlass.Float32, rows_q), i32, i32, i32, i32, i32, i32, i32, cutlass.Float32(1.0),
+        make_fake_stream(),
+    )
+
+
 def bwd_fake_args(dtype, d_qk: int, d_v: int):
     """Backward: q, kv, idx, topk_length, lse (B*T*H,), do and o (B*T*H, d_v), coef (B*T*H*2,),
     dq (B*T*H, Dqk), dkv float32 (B*S rows, or the deterministic workspace's rows, x Dqk),

@@ -37,9 +37,17 @@ none past K; topk_length counts from the list's start), reads q at its token, an
 part's softmax without the sink (o = 0, lse = -inf for a part without a valid entry). The
 caller combines the parts by lse and adds the sink (jax_dsa.reference.combine_partials).
 
+Two pools (SparseMlaFwdTwoPoolSm90, compile_fwd_two_pool; DeepSeek-V4's window over the raw
+KV next to its top-k over the compressed KV): the token's blocks are ceil(K1 / 64) blocks of
+pool 1's list (entries past K1 or topk_length invalid), then the blocks of pool 2's valid
+prefix; each block's indices and rows come from its own pool (the producer picks the pool per
+block and loads every block's indices in the pair loop, none at the CTA start). One softmax
+with the sink over both; consumers and epilogue are the one-pool kernel's.
+
 Entry point: compile_fwd_pingpong(dtype, d_qk, split=False), arguments common.fwd_fake_args
 (flattened row-major views); ffi/build.py exports it as jax_dsa_fwd_pingpong_<dtype>_d<Dqk> and
-jax_dsa_fwd_pingpong_split_<dtype>_d<Dqk>.
+jax_dsa_fwd_pingpong_split_<dtype>_d<Dqk>; compile_fwd_two_pool(dtype, d_qk) as
+jax_dsa_fwd_two_pool_<dtype>_d<Dqk> (common.fwd_two_pool_fake_args).
 """
 
 import cutlass
@@ -51,7 +59,8 @@ import cuda.bindings.driver as cuda
 from cutlass.cute.nvgpu import cpasync
 
 from .common import (LN_2, LOG2_E, acc_mn_view, chunk16, cp_async_16_zfill, fwd_fake_args,
-                     gather_source, load_block_indices, quad_allreduce, ring_stage)
+                     fwd_two_pool_fake_args, gather_source, load_block_indices, quad_allreduce,
+                     ring_stage)
 
 CONSUMER_BAR = 1  # both consumer groups (Q ready, epilogue)
 BAR_M0 = 2  # WG0's new row max published (WG0 arrives, WG1 syncs)
@@ -233,14 +242,42 @@ class SparseMlaFwdPingPongSm90:
                                               self.d_qk * 2, gsub)
 
     @cute.jit
+    def _two_pool_idx(self, mIdx: cute.Tensor, dst: cute.Tensor, blk, k_eff: cutlass.Int32,
+                      idx_base: cutlass.Int64, mIdx2: cute.Tensor, k_eff2: cutlass.Int32,
+                      idx_base2: cutlass.Int64, n_blocks1: cutlass.Int32, prow: cutlass.Int32):
+        """Two pools: block blk's indices, from pool 1's list for the first n_blocks1 blocks,
+        else block blk - n_blocks1 of pool 2's; -1 at and past each list's bound."""
+        if blk < n_blocks1:
+            load_block_indices(mIdx, dst, blk, k_eff, idx_base, prow, *self._idx_walk)
+        else:
+            load_block_indices(mIdx2, dst, blk - n_blocks1, k_eff2, idx_base2, prow,
+                               *self._idx_walk)
+
+    @cute.jit
+    def _first_pair_indices_two_pool(self, pre0: cute.Tensor, pre1: cute.Tensor,
+                                     prow: cutlass.Int32, k_eff: cutlass.Int32, lists2):
+        """_first_pair_indices for two pools: block 0 is pool 1's (K1 >= 1), block 1 pool 1's
+        second block or pool 2's first."""
+        _, k_eff2, _, _, _, _, n_blocks1 = lists2
+        lim1 = k_eff - self.bn if n_blocks1 > 1 else k_eff2
+        cur0 = cute.make_rmem_tensor(self.p_passes, cutlass.Int32)
+        cur1 = cute.make_rmem_tensor(self.p_passes, cutlass.Int32)
+        for p in cutlass.range_constexpr(self.p_passes):
+            j = prow + self.p_rows * p
+            cur0[p] = pre0[p] if j < k_eff else cutlass.Int32(-1)
+            cur1[p] = pre1[p] if j < lim1 else cutlass.Int32(-1)
+        return cur0, cur1
+
+    @cute.jit
     def _produce(self, mKV: cute.Tensor, mIdx: cute.Tensor, sValid: cute.Tensor,
                  kv_smem: cutlass.Int32, mbar, n_blocks: cutlass.Int32, k_eff: cutlass.Int32,
                  S: cutlass.Int32, idx_base: cutlass.Int64, kv_batch: cutlass.Int64,
-                 ptid: cutlass.Int32, pre0, pre1):
+                 ptid: cutlass.Int32, pre0, pre1, lists2=None):
         """Per pair m: fills 0L, 1R, 0R, 1L (stage 1 only when block 2m+1 exists), each after
         the previous pair's release of that half; with the first half of a stage lane psub 0
         writes the rows' validity flags. pre0 / pre1: the first pair's indices, loaded at the
-        CTA start before k_eff was known.
+        CTA start before k_eff was known. lists2 (two pools): _two_pool_block's tuple; the
+        blocks' indices are then all loaded here.
 
         Every copy is one cp.async at constant offsets from two registers, so a half-stage fill
         is a short run of instructions: the producer's warps share the schedulers with the
@@ -262,7 +299,10 @@ class SparseMlaFwdPingPongSm90:
         kv_addr = mKV.iterator.toint()
         dbase = kv_smem + prow * 128 + ((psub ^ (prow % 8)) * 16)
         gsub = cutlass.Int64(psub * 16)
-        cur0, cur1 = self._first_pair_indices(pre0, pre1, prow, k_eff)
+        if cutlass.const_expr(lists2 is None):
+            cur0, cur1 = self._first_pair_indices(pre0, pre1, prow, k_eff)
+        else:
+            cur0, cur1 = self._first_pair_indices_two_pool(pre0, pre1, prow, k_eff, lists2)
         src0 = cute.make_rmem_tensor(npass, cutlass.Int64)
         src1 = cute.make_rmem_tensor(npass, cutlass.Int64)
         nb0 = cute.make_rmem_tensor(npass, cutlass.Int32)
@@ -271,9 +311,25 @@ class SparseMlaFwdPingPongSm90:
         for m in range(n_pairs):
             has1 = 2 * m + 1 < n_blocks
             ph = (m + 1) % 2  # parity of the previous pair's release
-            self._load_pair_idx(mIdx, cur0, cur1, m, k_eff, idx_base, prow)
-            self._row_sources(cur0, src0, nb0, kv_addr, kv_batch, S, gsub)
-            self._row_sources(cur1, src1, nb1, kv_addr, kv_batch, S, gsub)
+            if cutlass.const_expr(lists2 is None):
+                self._load_pair_idx(mIdx, cur0, cur1, m, k_eff, idx_base, prow)
+                self._row_sources(cur0, src0, nb0, kv_addr, kv_batch, S, gsub)
+                self._row_sources(cur1, src1, nb1, kv_addr, kv_batch, S, gsub)
+            else:
+                mIdx2, k_eff2, idx_base2, kv_addr2, kv_batch2, S2, n_blocks1 = lists2
+                if m > 0:
+                    self._two_pool_idx(mIdx, cur0, 2 * m, k_eff, idx_base, mIdx2, k_eff2,
+                                       idx_base2, n_blocks1, prow)
+                    self._two_pool_idx(mIdx, cur1, 2 * m + 1, k_eff, idx_base, mIdx2, k_eff2,
+                                       idx_base2, n_blocks1, prow)
+                if 2 * m < n_blocks1:
+                    self._row_sources(cur0, src0, nb0, kv_addr, kv_batch, S, gsub)
+                else:
+                    self._row_sources(cur0, src0, nb0, kv_addr2, kv_batch2, S2, gsub)
+                if 2 * m + 1 < n_blocks1:
+                    self._row_sources(cur1, src1, nb1, kv_addr, kv_batch, S, gsub)
+                else:
+                    self._row_sources(cur1, src1, nb1, kv_addr2, kv_batch2, S2, gsub)
             for q in cutlass.range_constexpr(4):
                 stage = q % 2
                 is_r = 1 if q in (1, 2) else 0
@@ -379,6 +435,19 @@ class SparseMlaFwdPingPongSm90:
         pv_ss: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
+        self._body(mQ, mKV, mIdx, mLen, mSink, mO, mLse, T, H, S, K, scale_log2, swz, sQ_layout,
+                   sKV_layout, sVt_layout, sP_layout, sO_layout, sOg_layout, qk_mma, pv_rs,
+                   pv_ss, SharedStorage, None)
+
+    @cute.jit
+    def _body(self, mQ: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor, mLen: cute.Tensor,
+              mSink: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, T: cutlass.Int32,
+              H: cutlass.Int32, S: cutlass.Int32, K: cutlass.Int32, scale_log2: cutlass.Float32,
+              swz: cute.Swizzle, sQ_layout: cute.Layout, sKV_layout: cute.Layout,
+              sVt_layout: cute.Layout, sP_layout: cute.Layout, sO_layout: cute.ComposedLayout,
+              sOg_layout: cute.ComposedLayout, qk_mma: cute.TiledMma, pv_rs: cute.TiledMma,
+              pv_ss: cute.TiledMma, SharedStorage: cutlass.Constexpr, pool2):
+        """The kernel (one pool: pool2 None; two pools: SparseMlaFwdTwoPoolSm90's tuple)."""
         bm, bn = self.bm, self.bn
         tidx, _, _ = cute.arch.thread_idx()
         th, _, b = cute.arch.block_idx()
@@ -396,6 +465,9 @@ class SparseMlaFwdPingPongSm90:
         topk_len = mLen[bt]
         bt_out = bt  # o / lse row of this CTA's (token, part)
         list_len = K  # entries of idx this CTA may read
+        if cutlass.const_expr(pool2 is not None):
+            mKV2, mIdx2, mLen2, S2, K2 = pool2
+            topk_len2 = mLen2[bt]
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -422,8 +494,16 @@ class SparseMlaFwdPingPongSm90:
         pre1 = cute.make_rmem_tensor(self.p_passes, cutlass.Int32)
         if wg == 0:
             prow = tidx // self.p_tpr
-            load_block_indices(mIdx, pre0, 0, list_len, idx_base, prow, *self._idx_walk)
-            load_block_indices(mIdx, pre1, 1, list_len, idx_base, prow, *self._idx_walk)
+            if cutlass.const_expr(pool2 is None):
+                load_block_indices(mIdx, pre0, 0, list_len, idx_base, prow, *self._idx_walk)
+                load_block_indices(mIdx, pre1, 1, list_len, idx_base, prow, *self._idx_walk)
+            else:  # blocks 0 and 1 from their pools (which pool does not depend on the lengths)
+                n_blocks1 = (K + bn - 1) // bn
+                idx_base2 = bt * cutlass.Int64(K2)
+                self._two_pool_idx(mIdx, pre0, 0, K, idx_base, mIdx2, K2, idx_base2, n_blocks1,
+                                   prow)
+                self._two_pool_idx(mIdx, pre1, 1, K, idx_base, mIdx2, K2, idx_base2, n_blocks1,
+                                   prow)
         else:
             self._issue_q(mQ, q_base, swz, sQ_layout, bt, h0, H, (tidx - 128) // self.tpr,
                           (tidx - 128) % self.tpr)
@@ -437,13 +517,21 @@ class SparseMlaFwdPingPongSm90:
         cute.arch.sync_threads()
         k_eff = cutlass.min(list_len, cutlass.max(topk_len, 0))
         n_blocks = (k_eff + bn - 1) // bn
+        lists2 = None
+        if cutlass.const_expr(pool2 is not None):
+            # Blocks [0, ceil(K / bn)) gather pool 1's list, the next ones pool 2's valid prefix.
+            n_blocks1 = (K + bn - 1) // bn
+            k_eff2 = cutlass.min(K2, cutlass.max(topk_len2, 0))
+            n_blocks = n_blocks1 + (k_eff2 + bn - 1) // bn
+            lists2 = (mIdx2, k_eff2, bt * cutlass.Int64(K2), mKV2.iterator.toint(),
+                      cutlass.Int64(b) * cutlass.Int64(S2), S2, n_blocks1)
         n_pairs = (n_blocks + 1) // 2
 
         if wg == 0:
             # ================================ producer =================================
             cute.arch.setmaxregister_decrease(self.prod_regs)
             self._produce(mKV, mIdx, sValid, storage.sKV.data_ptr().toint(), mbar, n_blocks,
-                          k_eff, S, idx_base, kv_batch, tidx, pre0, pre1)
+                          k_eff, S, idx_base, kv_batch, tidx, pre0, pre1, lists2)
         else:
             # ================================ consumers ================================
             cute.arch.setmaxregister_increase(self.cons_regs)
@@ -793,6 +881,95 @@ class SparseMlaFwdPingPongSm90:
             for i in cutlass.range_constexpr(self.d_v // 8 // self.tpr):
                 c = csub + self.tpr * i
                 cute.copy(st_atom, chunk16(sO, crow, c), chunk16(mO, o_row, c))
+
+
+class SparseMlaFwdTwoPoolSm90(SparseMlaFwdPingPongSm90):
+    """The pingpong forward over two KV pools (module docstring, "Two pools"): the token's
+    entries are pool 1's list (kv, idx, topk_length) then pool 2's (kv2, idx2, topk_length2),
+    one softmax with the sink over both; each 64-row block gathers from one pool."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mLen: cute.Tensor,
+        mKV2: cute.Tensor,
+        mIdx2: cute.Tensor,
+        mLen2: cute.Tensor,
+        mSink: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        B: cutlass.Int32,
+        T: cutlass.Int32,
+        H: cutlass.Int32,
+        S: cutlass.Int32,
+        K: cutlass.Int32,
+        S2: cutlass.Int32,
+        K2: cutlass.Int32,
+        scale: cutlass.Float32,
+        stream: cuda.CUstream,
+    ):
+        k_atom, sQ_layout, sKV_layout, sVt_layout, sP_layout, sO_layout, sOg_layout = (
+            self._smem_layouts())
+        SharedStorage, qk_mma, pv_rs, pv_ss = self._storage_and_mmas(
+            sQ_layout, sKV_layout, sP_layout)
+        n_head_blocks = (H + self.bm - 1) // self.bm
+        kernel = self.kernel_two_pool(
+            mQ, mKV, mIdx, mLen, mKV2, mIdx2, mLen2, mSink, mO, mLse, T, H, S, K, S2, K2,
+            scale * LOG2_E, k_atom.inner, sQ_layout.outer, sKV_layout.outer, sVt_layout.outer,
+            sP_layout.outer, sO_layout, sOg_layout, qk_mma, pv_rs, pv_ss, SharedStorage,
+        )
+        kernel.launch(
+            grid=[T * n_head_blocks, 1, B],
+            block=[self.threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel_two_pool(
+        self,
+        mQ: cute.Tensor,
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mLen: cute.Tensor,
+        mKV2: cute.Tensor,
+        mIdx2: cute.Tensor,
+        mLen2: cute.Tensor,
+        mSink: cute.Tensor,
+        mO: cute.Tensor,
+        mLse: cute.Tensor,
+        T: cutlass.Int32,
+        H: cutlass.Int32,
+        S: cutlass.Int32,
+        K: cutlass.Int32,
+        S2: cutlass.Int32,
+        K2: cutlass.Int32,
+        scale_log2: cutlass.Float32,
+        swz: cute.Swizzle,
+        sQ_layout: cute.Layout,
+        sKV_layout: cute.Layout,
+        sVt_layout: cute.Layout,
+        sP_layout: cute.Layout,
+        sO_layout: cute.ComposedLayout,
+        sOg_layout: cute.ComposedLayout,
+        qk_mma: cute.TiledMma,
+        pv_rs: cute.TiledMma,
+        pv_ss: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        self._body(mQ, mKV, mIdx, mLen, mSink, mO, mLse, T, H, S, K, scale_log2, swz, sQ_layout,
+                   sKV_layout, sVt_layout, sP_layout, sO_layout, sOg_layout, qk_mma, pv_rs,
+                   pv_ss, SharedStorage, (mKV2, mIdx2, mLen2, S2, K2))
+
+
+def compile_fwd_two_pool(dtype, d_qk: int, d_v: int = 512):
+    """Compile the two-pool forward with shape-only tensors (common.fwd_two_pool_fake_args)."""
+    return cute.compile(SparseMlaFwdTwoPoolSm90(dtype, d_qk, d_v),
+                        *fwd_two_pool_fake_args(dtype, d_qk, d_v))
 
 
 def compile_fwd_pingpong(dtype, d_qk: int, d_v: int = 512, split: bool = False):
