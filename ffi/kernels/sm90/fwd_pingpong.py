@@ -41,8 +41,9 @@ Two pools (SparseMlaFwdTwoPoolSm90, compile_fwd_two_pool; DeepSeek-V4's window o
 KV next to its top-k over the compressed KV): the token's blocks are ceil(K1 / 64) blocks of
 pool 1's list (entries past K1 or topk_length invalid), then the blocks of pool 2's valid
 prefix; each block's indices and rows come from its own pool (the producer picks the pool per
-block and loads every block's indices in the pair loop, none at the CTA start). One softmax
-with the sink over both; consumers and epilogue are the one-pool kernel's.
+block; blocks 0 and 1 are prefetched from their pools at the CTA start, as the one-pool kernel
+prefetches its first pair, and masked once the lengths are known). One softmax with the sink
+over both; consumers and epilogue are the one-pool kernel's.
 
 Entry point: compile_fwd_pingpong(dtype, d_qk, split=False), arguments common.fwd_fake_args
 (flattened row-major views); ffi/build.py exports it as jax_dsa_fwd_pingpong_<dtype>_d<Dqk> and
