@@ -139,23 +139,12 @@ def make_forward_two_pool(local_fwd: Callable, scale: float, d_v: int, impl: str
     """Partitioned, vmappable two-pool forward: (q, kv, idx, topk_length, kv2, idx2,
     topk_length2, sink) -> (o, lse); pool 2 shards like pool 1."""
 
-    def body(q, kv, idx, topk_length, kv2, idx2, topk_length2, sink):
-        return local_fwd(q, kv, idx, topk_length, kv2, idx2, topk_length2, sink, scale=scale,
-                         d_v=d_v, impl=impl)
+    def body(*args):
+        return local_fwd(*args, scale=scale, d_v=d_v, impl=impl)
 
-    op = custom_partitioning(body)
-
-    def infer(mesh, arg_shapes, result_shape):
-        _, outs = _fwd2_specs(*_q_layout(arg_shapes))
-        return _named(mesh, outs)
-
-    def partition(mesh, arg_shapes, result_shape):
-        args, outs = _fwd2_specs(*_q_layout(arg_shapes))
-        return mesh, body, _named(mesh, outs), _named(mesh, args)
-
-    op.def_partition(partition=partition, infer_sharding_from_operands=infer,
-                     sharding_rule=_FWD2_RULE, need_replication_factors=_REPLICATED_FACTORS2)
-    return _fold_vmap(op, num_outputs=2, sink_pos=7)
+    return _partitioned(body, _FWD2_RULE, _REPLICATED_FACTORS2,
+                        lambda arg_shapes: _fwd2_specs(*_q_layout(arg_shapes)), None, 2,
+                        sink_pos=7)
 
 
 def make_backward(local_bwd: Callable, scale: float, d_v: int, impl: str):
