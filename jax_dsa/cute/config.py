@@ -10,9 +10,9 @@ Forward (FwdConfig.kernel):
   "pingpong"     any H (64-head tiles, padded inside the kernel): a producer warpgroup gathers
                  KV blocks, two consumers ping-pong over block pairs (fwd_pingpong.py).
 FwdConfig.splits > 1 (decode: too few tokens to fill the GPU) runs each token's list as
-`splits` contiguous parts and combines the parts by their lse (jax_dsa.reference.
-combine_partials; jax_dsa/cute/kernel.py): pingpong reads the parts in place (its split form,
-one CTA per token, part and 64 heads), small_heads runs them as tokens of their own.
+`splits` contiguous parts combined by their lse: pingpong's split form reads the parts in
+place (one CTA per token, part and 64 heads) and a small kernel combines them (fwd_combine.py),
+small_heads runs them as tokens of their own, combined by jax_dsa.reference.combine_partials.
 Backward (BwdConfig.group): 1 runs one token per 64-row tile (ffi/kernels/sm90/bwd.py); G > 1
 runs G consecutive tokens of 64 / G heads as one 64-row token over the union of their index
 lists, so rows the tokens share (the window) are gathered and added to dkv once per group. The

@@ -25,6 +25,7 @@ LIB_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 # FFI target name -> the library's handler symbol.
 TARGETS = {
     "jax_dsa_sparse_mla_fwd_sm90": "JaxDsaSparseMlaFwdSm90",
+    "jax_dsa_sparse_mla_fwd_split_sm90": "JaxDsaSparseMlaFwdSplitSm90",
     "jax_dsa_sparse_mla_fwd_two_pool_sm90": "JaxDsaSparseMlaFwdTwoPoolSm90",
     "jax_dsa_sparse_mla_bwd_sm90": "JaxDsaSparseMlaBwdSm90",
     "jax_dsa_sparse_mla_bwd_deterministic_sm90": "JaxDsaSparseMlaBwdDeterministicSm90",
@@ -182,19 +183,21 @@ def sparse_mla_fwd(q, kv, idx, topk_length, sink, *, scale, kernel, poison_outpu
                  poison=np.int32(bool(poison_outputs)))
 
 
-def sparse_mla_fwd_parts(q, kv, idx, topk_length, sink, *, scale, parts, poison_outputs=False):
+def sparse_mla_fwd_split(q, kv, idx, topk_length, sink, *, scale, parts, poison_outputs=False):
     """The decode form of the pingpong forward: each token's list as `parts` contiguous parts
-    of ceil(K / parts) entries, one CTA per (token, part, 64 heads), each part's softmax
-    without the sink (sink [H] float32 is passed through, not read). Returns (o [B, T, parts,
-    H, 512] q.dtype, lse [B, T, parts, H] float32); a part without a valid entry has o = 0 and
-    lse = -inf. reference.combine_partials over axis 2 with the sink gives the forward over the
-    whole list."""
+    of ceil(K / parts) entries, one CTA per (token, part, 64 heads), then a combine kernel
+    that merges the parts by their lse with the sink. Returns (o [B, T, H, 512] q.dtype, lse
+    [B, T, H] float32), as sparse_mla_fwd up to rounding each part's o to q.dtype; the parts
+    (a workspace output) are dropped."""
     B, T, H, _ = q.shape
-    out = (jax.ShapeDtypeStruct((B, T, parts, H, D_V), q.dtype),
+    out = (jax.ShapeDtypeStruct((B, T, H, D_V), q.dtype),
+           jax.ShapeDtypeStruct((B, T, H), jnp.float32),
+           jax.ShapeDtypeStruct((B, T, parts, H, D_V), q.dtype),
            jax.ShapeDtypeStruct((B, T, parts, H), jnp.float32))
-    return _call("jax_dsa_sparse_mla_fwd_sm90", out, q, kv, _i32(idx), _i32(topk_length),
-                 _f32(sink), scale=np.float32(scale), kernel="pingpong_split",
-                 poison=np.int32(bool(poison_outputs)))
+    o, lse, *_ = _call("jax_dsa_sparse_mla_fwd_split_sm90", out, q, kv, _i32(idx),
+                       _i32(topk_length), _f32(sink), scale=np.float32(scale),
+                       poison=np.int32(bool(poison_outputs)))
+    return o, lse
 
 
 def sparse_mla_fwd_two_pool(q, kv, idx, topk_length, kv2, idx2, topk_length2, sink, *, scale,

@@ -18,14 +18,13 @@ from jax_dsa.cute.config import Config, grouping_problem
 def forward(q, kv, idx, topk_length, sink, *, scale, config: Config, poison_outputs=False):
     """(o [B, T, H, 512] q.dtype, lse [B, T, H] float32); config.fwd.splits > 1 splits each
     token's list into parts combined by lse: the pingpong kernel's decode form reads the parts
-    in place (ffi.sparse_mla_fwd_parts), the small-heads kernel runs them as tokens of their
-    own (reference.split_forward). poison_outputs (tests): the kernel's outputs start as NaN."""
+    in place and a combine kernel merges them (ffi.sparse_mla_fwd_split), the small-heads
+    kernel runs them as tokens of their own (reference.split_forward). poison_outputs (tests):
+    the kernel's outputs start as NaN."""
     splits = config.fwd.splits
     if splits > 1 and config.fwd.kernel == "pingpong":
-        o, lse = ffi.sparse_mla_fwd_parts(q, kv, idx, topk_length, sink, scale=scale,
-                                          parts=splits, poison_outputs=poison_outputs)
-        o, lse = reference.combine_partials(o, lse, sink, axis=2)
-        return o.astype(q.dtype), lse
+        return ffi.sparse_mla_fwd_split(q, kv, idx, topk_length, sink, scale=scale,
+                                        parts=splits, poison_outputs=poison_outputs)
     run = functools.partial(ffi.sparse_mla_fwd, scale=scale, kernel=config.fwd.kernel,
                             poison_outputs=poison_outputs)
     if splits == 1:

@@ -34,8 +34,8 @@ leave the GPU empty): o and lse hold P parts per token ([B, T, P, H] rows, P fro
 the host, from the grid on the device); grid x runs (token, part, head block), and a CTA takes
 entries [p ceil(K / P), (p + 1) ceil(K / P)) of its token's list (fewer for the last parts,
 none past K; topk_length counts from the list's start), reads q at its token, and writes that
-part's softmax without the sink (o = 0, lse = -inf for a part without a valid entry). The
-caller combines the parts by lse and adds the sink (jax_dsa.reference.combine_partials).
+part's softmax without the sink (o = 0, lse = -inf for a part without a valid entry).
+fwd_combine.py, launched next by the same handler, merges the parts by lse with the sink.
 
 Two pools (SparseMlaFwdTwoPoolSm90, compile_fwd_two_pool; DeepSeek-V4's window over the raw
 KV next to its top-k over the compressed KV): the token's blocks are ceil(K1 / 64) blocks of

@@ -1,0 +1,119 @@
+// Microbenchmark: the backward's dKV scatter as per-thread red.global.add.v4.f32 (today's
+// kernel: each warp instruction 4 rows x 128 B) against bulk reductions from shared memory
+// (cp.reduce.async.bulk.global.shared::cta.add.f32, one 256-byte op per row and 64-column
+// chunk, issued by one thread, completed by the copy engine), on the H = 128 workload's rows:
+// T tokens, each a list of a 128-row window ending at its position plus random rows of [0, S),
+// each token's list added `dup` times back to back (the two 64-head CTAs of a token), one CTA
+// per (token, copy) walking 64-entry blocks and 64-column chunks, D fp32 columns per row.
+// Question: does the bulk form reach a higher reduction rate, in L2 (S 4K) and past it
+// (S 64K: a 128 MB accumulator)?
+//   nvcc -O3 -std=c++17 -arch=sm_90a dev/red_bulk_bench.cu -o build/rbb && build/rbb
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include <cuda_runtime.h>
+
+#include "median_ms.cuh"
+
+__device__ __forceinline__ void red_v4(float* p, float4 v) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x), "f"(v.y),
+               "f"(v.z), "f"(v.w) : "memory");
+}
+
+// Today's form: 128 threads = 4 warps; per 64-row block and 64-column chunk each warp covers 16
+// rows, one instruction = 4 rows x 128 B (8 lanes per row).
+template <int D>
+__global__ void scatter_red(float* dkv, const int* idx, int K, int dup) {
+  const int* list = idx + (size_t)(blockIdx.x / dup) * K;
+  int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float4 v = make_float4(1.f, 1.f, 1.f, 1.f);
+  for (int blk = 0; blk < K; blk += 64) {
+#pragma unroll 1
+    for (int c = 0; c < D; c += 64) {
+#pragma unroll
+      for (int rr = 0; rr < 16; rr += 4) {
+        int r = blk + warp * 16 + rr + lane / 8;
+        int row = r < K ? list[r] : -1;
+        if (row >= 0)
+          for (int half = 0; half < 2; ++half)
+            red_v4(dkv + (size_t)row * D + c + half * 32 + (lane % 8) * 4, v);
+      }
+    }
+  }
+}
+
+// The bulk form: each chunk (64 rows x 64 fp32 = 16 KB) written to one of two shared-memory
+// buffers, then 64 threads each issue one 256-byte bulk reduction of a row; a buffer is
+// rewritten only after its reductions have read it (wait_group.read).
+template <int D>
+__global__ void scatter_bulk(float* dkv, const int* idx, int K, int dup) {
+  __shared__ __align__(128) float buf[2][64 * 64];
+  const int* list = idx + (size_t)(blockIdx.x / dup) * K;
+  int t = threadIdx.x;
+  int n = 0;
+  for (int blk = 0; blk < K; blk += 64) {
+    int r = blk + t % 64;
+    int row = r < K ? list[r] : -1;
+#pragma unroll 1
+    for (int c = 0; c < D; c += 64, ++n) {
+      float* b = buf[n & 1];
+      if (t < 64) asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");  // per thread
+      __syncthreads();
+      for (int i = t; i < 64 * 16; i += blockDim.x)
+        reinterpret_cast<float4*>(b)[i] = make_float4(1.f, 1.f, 1.f, 1.f);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      __syncthreads();
+      if (t < 64 && row >= 0) {
+        unsigned src = static_cast<unsigned>(__cvta_generic_to_shared(b + t * 64));
+        float* dst = dkv + (size_t)row * D + c;
+        asm volatile(
+            "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], 256;"
+            ::"l"(dst), "r"(src) : "memory");
+      }
+      if (t < 64) asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+  }
+  if (t < 64) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+int main() {
+  const int T = 1024, K = 1152, window = 128;
+  for (int S : {4096, 65536}) {
+    std::vector<int> h((size_t)T * K);
+    srand(1);
+    for (int t = 0; t < T; ++t) {
+      int pos = S - T + t;
+      for (int j = 0; j < K; ++j)
+        h[(size_t)t * K + j] = j < window ? pos - window + 1 + j : rand() % S;
+    }
+    int* idx;
+    float* dkv;
+    cudaMalloc(&idx, h.size() * 4);
+    cudaMemcpy(idx, h.data(), h.size() * 4, cudaMemcpyHostToDevice);
+    constexpr int D = 512;
+    cudaMalloc(&dkv, (size_t)S * D * 4);
+    cudaMemset(dkv, 0, (size_t)S * D * 4);
+    for (int dup : {1, 2}) {
+      double gb = (double)T * dup * K * D * 4 / 1e9;
+      float tr = median_ms([&] { scatter_red<D><<<T * dup, 128>>>(dkv, idx, K, dup); }, 7);
+      float tb = median_ms([&] { scatter_bulk<D><<<T * dup, 128>>>(dkv, idx, K, dup); }, 7);
+      printf("S %6d dup %d (%.2f GB): red.v4 %.3f ms (%.0f GB/s) | bulk 256 B %.3f ms (%.0f GB/s)\n",
+             S, dup, gb, tr, gb / tr * 1e3, tb, gb / tb * 1e3);
+    }
+    // the two forms add the same values: check they agree on one run each from zero
+    std::vector<float> a((size_t)S * D), b((size_t)S * D);
+    cudaMemset(dkv, 0, (size_t)S * D * 4);
+    scatter_red<D><<<T, 128>>>(dkv, idx, K, 1);
+    cudaMemcpy(a.data(), dkv, a.size() * 4, cudaMemcpyDeviceToHost);
+    cudaMemset(dkv, 0, (size_t)S * D * 4);
+    scatter_bulk<D><<<T, 128>>>(dkv, idx, K, 1);
+    cudaMemcpy(b.data(), dkv, b.size() * 4, cudaMemcpyDeviceToHost);
+    size_t bad = 0;
+    for (size_t i = 0; i < a.size(); ++i) bad += a[i] != b[i];
+    printf("S %6d: forms agree on %zu of %zu values; %s\n", S, a.size() - bad, a.size(),
+           cudaGetErrorString(cudaGetLastError()));
+    cudaFree(idx);
+    cudaFree(dkv);
+  }
+  return 0;
+}
