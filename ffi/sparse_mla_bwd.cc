@@ -13,6 +13,11 @@
 //   rets:  dq [B, T, H, Dqk] (dtype of q), dkv [B, S, Dqk] f32, delta [B, T, H] f32
 //          (rowsum(do * o), for the caller's sink gradient)
 //
+// The two-pool handler (exports jax_dsa_bwd_two_pool_<dtype>_d<Dqk>, plain form) takes kv2
+// [B, S2, Dqk] after kv; idx numbers both pools as one (pool 2's rows from S1 = kv's row count
+// on, jax_dsa._core.one_pool) and dkv is [B, S1 + S2, Dqk]: the gather reads each row from its
+// own pool, nothing is concatenated.
+//
 // The deterministic handler takes three more int32 args, per chunk of tokens the entries sorted
 // by kv row (order, seg_end, rows; see jax_dsa.cute.deterministic.entry_order), and returns a
 // fourth buffer, the fp32 workspace [chunk * K * ceil(H / 64), Dqk] whose row count sets the
@@ -71,6 +76,38 @@ struct ReduceArgs {
 JAX_DSA_BWD_SPECS(JAX_DSA_BWD_SPEC)
 #undef JAX_DSA_BWD_SPEC
 
+struct Bwd2Args {
+  BwdArgs a;  // kv = pool 1 (rows_kv = B * S1), S = S1 + S2, dkv of both
+  void* kv2;
+  int64_t rows_kv2;
+  int32_t S1;
+};
+
+#define JAX_DSA_BWD2_SPEC(PREFIX)                                                   \
+  JAX_DSA_SPEC(PREFIX) {                                                            \
+    static int32_t launch(const Bwd2Args& x, cudaStream_t s) {                      \
+      const BwdArgs& a = x.a;                                                       \
+      PREFIX##_Tensor_mQ_t q{a.q, {a.rows_q}};                                      \
+      PREFIX##_Tensor_mKV_t kv{a.kv, {a.rows_kv}};                                  \
+      PREFIX##_Tensor_mKV2_t kv2{x.kv2, {x.rows_kv2}};                              \
+      PREFIX##_Tensor_mIdx_t idx{a.idx, {a.n_idx}};                                 \
+      PREFIX##_Tensor_mLen_t len{a.len, {a.n_tok_all}};                             \
+      PREFIX##_Tensor_mLse_t lse{a.lse, {a.rows_q}};                                \
+      PREFIX##_Tensor_mDO_t dout{a.dout, {a.rows_q}};                               \
+      PREFIX##_Tensor_mO_t o{a.o, {a.rows_q}};                                      \
+      PREFIX##_Tensor_mCoef_t coef{a.coef, {a.n_coef}};                             \
+      PREFIX##_Tensor_mDQ_t dq{a.dq, {a.rows_q}};                                   \
+      PREFIX##_Tensor_mDKV_t dkv{a.dkv, {a.rows_dkv}};                              \
+      PREFIX##_Tensor_mDelta_t delta{a.delta, {a.rows_q}};                          \
+      return cute_dsl_##PREFIX##_wrapper(&module(), &q, &kv, &kv2, &idx, &len, &lse, \
+                                         &dout, &o, &coef, &dq, &dkv, &delta, a.B,   \
+                                         a.T, a.H, a.S, x.S1, a.K, a.t_begin,        \
+                                         a.n_tok, a.scale, s);                       \
+    }                                                                               \
+  };
+JAX_DSA_BWD2_SPECS(JAX_DSA_BWD2_SPEC)
+#undef JAX_DSA_BWD2_SPEC
+
 #define JAX_DSA_REDUCE_SPEC(PREFIX)                                               \
   JAX_DSA_SPEC(PREFIX) {                                                          \
     static int32_t launch(const ReduceArgs& a, cudaStream_t s) {                  \
@@ -91,6 +128,11 @@ KernelTable<BwdArgs>& BwdKernels() {
   return table;
 }
 
+KernelTable<Bwd2Args>& Bwd2Kernels() {
+  static KernelTable<Bwd2Args> table{JAX_DSA_BWD2_SPECS(JAX_DSA_KERNEL_ENTRY)};
+  return table;
+}
+
 KernelTable<ReduceArgs>& ReduceKernels() {
   static KernelTable<ReduceArgs> table{JAX_DSA_REDUCE_SPECS(JAX_DSA_KERNEL_ENTRY)};
   return table;
@@ -99,8 +141,9 @@ KernelTable<ReduceArgs>& ReduceKernels() {
 // Loads every backward and reduction module once.
 cudaError_t LoadAllBwd() {
   cudaError_t e = BwdKernels().Load();
-  cudaError_t r = ReduceKernels().Load();
-  return e != cudaSuccess ? e : r;
+  if (e == cudaSuccess) e = Bwd2Kernels().Load();
+  if (e == cudaSuccess) e = ReduceKernels().Load();
+  return e;
 }
 
 // Export prefix of the backward: form "" (atomic), "det_" or "g<G>_".
@@ -114,7 +157,8 @@ std::string CheckBwd(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer idx,
                      ffi::AnyBuffer topk_length, ffi::AnyBuffer lse, ffi::AnyBuffer dout,
                      ffi::AnyBuffer o, ffi::AnyBuffer coef, float scale,
                      ffi::Result<ffi::AnyBuffer>& dq, ffi::Result<ffi::AnyBuffer>& dkv,
-                     ffi::Result<ffi::AnyBuffer>& delta, Extents* x, BwdArgs* a) {
+                     ffi::Result<ffi::AnyBuffer>& delta, Extents* x, BwdArgs* a,
+                     int64_t extra_rows = 0) {
   std::string problem = CheckInputs(q, kv, idx, topk_length, x);
   if (!problem.empty()) return problem;
   const int64_t B = x->B, T = x->T, H = x->H, D = x->D, S = x->S, K = x->K;
@@ -136,8 +180,9 @@ std::string CheckBwd(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer idx,
     return "coef must be [B, T, H, 2], got " + Dims(coef.dimensions());
   if (!HasDims(dq->dimensions(), {B, T, H, D}))
     return "dq must be [B, T, H, Dqk], got " + Dims(dq->dimensions());
-  if (!HasDims(dkv->dimensions(), {B, S, D}))
-    return "dkv must be [B, S, Dqk], got " + Dims(dkv->dimensions());
+  if (!HasDims(dkv->dimensions(), {B, S + extra_rows, D}))
+    return "dkv must be [B, " + std::string(extra_rows ? "S1 + S2" : "S") + ", Dqk], got " +
+           Dims(dkv->dimensions());
   if (!HasDims(delta->dimensions(), {B, T, H}))
     return "delta must be [B, T, H], got " + Dims(delta->dimensions());
   a->q = q.untyped_data();
@@ -156,7 +201,7 @@ std::string CheckBwd(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer idx,
   a->n_idx = B * T * K;
   a->n_tok_all = B * T;
   a->n_coef = B * T * H * 2;
-  a->rows_dkv = B * S;
+  a->rows_dkv = B * (S + extra_rows);
   a->B = static_cast<int32_t>(B);
   a->T = static_cast<int32_t>(T);
   a->H = static_cast<int32_t>(H);
@@ -243,6 +288,48 @@ ffi::Error SparseMlaBwdGrouped(cudaStream_t stream, int32_t device, ffi::AnyBuff
         " (membership bits above the row)");
   return RunAtomicBwd(op, "g" + std::to_string(group) + "_", stream, device, q, kv, idx, topk_length, lse,
                       dout, o, coef, scale, dq, dkv, delta);
+}
+
+// The plain backward over two pools (see the header): kv = pool 1 [B, S1, Dqk], kv2 = pool 2
+// [B, S2, Dqk], idx over rows [0, S1 + S2), dkv [B, S1 + S2, Dqk].
+ffi::Error SparseMlaBwdTwoPool(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                               ffi::AnyBuffer kv, ffi::AnyBuffer kv2, ffi::AnyBuffer idx,
+                               ffi::AnyBuffer topk_length, ffi::AnyBuffer lse,
+                               ffi::AnyBuffer dout, ffi::AnyBuffer o, ffi::AnyBuffer coef,
+                               float scale, ffi::Result<ffi::AnyBuffer> dq,
+                               ffi::Result<ffi::AnyBuffer> dkv,
+                               ffi::Result<ffi::AnyBuffer> delta) {
+  const char* op = "sparse_mla_bwd(two pools)";
+  auto err = [op](const std::string& m) {
+    return ffi::Error::InvalidArgument(std::string("jax_dsa ") + op + ": " + m);
+  };
+  auto qd = q.dimensions(), k1 = kv.dimensions(), k2 = kv2.dimensions();
+  if (kv2.element_type() != q.element_type()) return err("kv2 must have the dtype of q");
+  if (qd.size() != 4 || k1.size() != 3 || k2.size() != 3 || k2[0] != k1[0] || k2[2] != k1[2])
+    return err("kv2 must be [B, S2, Dqk] beside kv [B, S1, Dqk], got " + Dims(k2) + " and " +
+               Dims(k1));
+  const int64_t s2 = k2[1];
+  if (k1[1] + s2 >= (int64_t{1} << 31)) return err("S1 + S2 must be < 2^31");
+  Extents x{};
+  Bwd2Args y;
+  BwdArgs& a = y.a;
+  std::string problem =
+      CheckBwd(q, kv, idx, topk_length, lse, dout, o, coef, scale, dq, dkv, delta, &x, &a, s2);
+  if (!problem.empty()) return err(problem);
+  a.S = static_cast<int32_t>(x.S + s2);  // rows of the list's numbering and of dkv
+  y.kv2 = kv2.untyped_data();
+  y.rows_kv2 = x.B * s2;
+  y.S1 = static_cast<int32_t>(x.S);
+  const std::string name = BwdName("two_pool_", q.element_type() == ffi::DataType::BF16, x.D);
+  KernelTable<Bwd2Args>::Launch launch = Bwd2Kernels().Find(name);
+  if (launch == nullptr)
+    return ffi::Error::Internal(std::string("jax_dsa ") + op + ": no kernel " + name +
+                                " was built");
+  DeviceGuard guard(device);
+  if (!guard.ok()) return ffi::Error::Internal(std::string("jax_dsa ") + op + ": cudaSetDevice failed");
+  if (ffi::Error e = Prepare(op, stream, dkv); e.failure()) return e;
+  if (x.B == 0 || x.T == 0) return ffi::Error::Success();
+  return LaunchStatus(op, launch(y, stream));
 }
 
 ffi::Error SparseMlaBwdDeterministic(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
@@ -353,6 +440,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaSparseMlaBwdGroupedSm90, jax_dsa::SparseMlaB
                                   .Ret<ffi::AnyBuffer>(),  // delta (viewed)
                               {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaSparseMlaBwdTwoPoolSm90, jax_dsa::SparseMlaBwdTwoPool,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // kv (pool 1)
+                                  .Arg<ffi::AnyBuffer>()  // kv2 (pool 2)
+                                  .Arg<ffi::AnyBuffer>()  // idx (both pools' rows)
+                                  .Arg<ffi::AnyBuffer>()  // topk_length
+                                  .Arg<ffi::AnyBuffer>()  // lse
+                                  .Arg<ffi::AnyBuffer>()  // do
+                                  .Arg<ffi::AnyBuffer>()  // o
+                                  .Arg<ffi::AnyBuffer>()  // coef
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::AnyBuffer>()  // dq
+                                  .Ret<ffi::AnyBuffer>()  // dkv (both pools)
+                                  .Ret<ffi::AnyBuffer>(),  // delta
+                              {ffi::Traits::kCmdBufferCompatible});
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaSparseMlaBwdDeterministicSm90,
                               jax_dsa::SparseMlaBwdDeterministic,
                               ffi::Ffi::Bind()
@@ -386,4 +492,9 @@ extern "C" __attribute__((visibility("default"))) int JaxDsaBwdInit() {
 // whether the backward kernels are available.
 extern "C" __attribute__((visibility("default"))) int JaxDsaBwdNumKernels() {
   return jax_dsa::BwdKernels().size();
+}
+
+// Number of two-pool backward specializations built into this library.
+extern "C" __attribute__((visibility("default"))) int JaxDsaBwdTwoPoolNumKernels() {
+  return jax_dsa::Bwd2Kernels().size();
 }

@@ -116,9 +116,11 @@ def _two_pools(q, kv, idx, scale, sink, topk_length, d_v, return_lse, implementa
 def _concatenate_pools(q_shape, s1: int, s2: int, d_qk: int, d_v: int) -> bool:
     """Whether two pools run as one attention over their concatenation (one kernel call, one
     softmax with the sink) rather than one attention per pool combined by lse: the cheaper in
-    memory traffic. Concatenating reads and writes both pools, 2 (S1 + S2) Dqk elements per
-    batch row; combining reads two partial outputs and writes one, 3 T H d_v. (Prefill at long
-    context concatenates; decode, with T small against S, combines.)"""
+    memory traffic where the one softmax concatenates (the kernels read both pools in place
+    only in the unsplit pingpong forward and the plain backward). Concatenating reads and
+    writes both pools, 2 (S1 + S2) Dqk elements per batch row; combining reads two partial
+    outputs and writes one, 3 T H d_v. (Prefill at long context runs one softmax; decode, with
+    T small against S, combines.)"""
     t, h = q_shape[1], q_shape[2]
     return 2 * (s1 + s2) * d_qk < 3 * t * h * d_v
 

@@ -31,6 +31,10 @@ _FWD2_RULE = "b t h d, b s d, b t k, b t, b r d, b t n, b t, h -> b t h v, b t h
 # Backward adds o, lse, do, dlse; returns dq, dkv (fp32), dsink per batch entry [b h].
 _BWD_RULE = ("b t h d, b s d, b t k, b t, h, b t h v, b t h, b t h v, b t h"
              " -> b t h d, b s d, b h")
+# The two-pool backward: the two-pool forward's operands, then o, lse, do, dlse; returns dq,
+# dkv, dkv2 (fp32), dsink [b h].
+_BWD2_RULE = ("b t h d, b s d, b t k, b t, b r d, b t n, b t, h, b t h v, b t h, b t h v, b t h"
+              " -> b t h d, b s d, b r d, b h")
 _REPLICATED_FACTORS = ("d", "s", "k", "v")
 _REPLICATED_FACTORS2 = ("d", "s", "k", "r", "n", "v")  # in order of appearance
 # The indexer: q [b t h d], k [b s d], weights [b t h], positions [b t] -> scores, idx [b t n].
@@ -179,6 +183,33 @@ def make_backward(local_bwd: Callable, scale: float, d_v: int, impl: str):
     op.def_partition(partition=partition, infer_sharding_from_operands=infer,
                      sharding_rule=_BWD_RULE, need_replication_factors=_REPLICATED_FACTORS)
     return _fold_vmap(op, num_outputs=3)
+
+
+def make_backward_two_pool(local_bwd: Callable, scale: float, d_v: int, impl: str):
+    """Partitioned, vmappable two-pool backward: (q, kv, idx, topk_length, kv2, idx2,
+    topk_length2, sink, o, lse, do, dlse) -> (dq, dkv fp32, dkv2 fp32, dsink [B, H]); both
+    pools' partial gradients are summed over token and head shards, dsink over token shards."""
+
+    def body(*args):
+        return local_bwd(*args, scale=scale, d_v=d_v, impl=impl)
+
+    def specs(arg_shapes):
+        b, t, h = _q_layout(arg_shapes)
+        args, (dq, dkv, dsink) = _bwd_specs(b, t, h)
+        fwd2_args, _ = _fwd2_specs(b, t, h)
+        return fwd2_args + args[5:], (dq, dkv, dkv, dsink)
+
+    def reduce(arg_shapes, out):
+        _, t, h = _q_layout(arg_shapes)
+        dq, dkv, dkv2, dsink = out
+        kv_reduce = _axes(t) + _axes(h)
+        if kv_reduce:
+            dkv, dkv2 = jax.lax.psum(dkv, kv_reduce), jax.lax.psum(dkv2, kv_reduce)
+        if _axes(t):
+            dsink = jax.lax.psum(dsink, _axes(t))
+        return dq, dkv, dkv2, dsink
+
+    return _partitioned(body, _BWD2_RULE, _REPLICATED_FACTORS2, specs, reduce, 4, sink_pos=7)
 
 
 def make_indexer_topk(local: Callable):

@@ -69,6 +69,26 @@ for h, d, k1 in ((100, 576, 100), (64, 512, 1)):
     print(f"two pools H={h} Dqk={d} K1={k1}: ok")
 print("two-pool memcheck case done")
 
+# The two-pool backward kernel, called directly: a list over both pools' rows [0, S1 + S2) with
+# entries on both sides of that range and at the boundary between the pools, partial lengths,
+# padded heads, B = 2 (pool 2's batch offset differs from pool 1's).
+for h, d in ((100, 576), (64, 512)):
+    b, t, s1, s2, k = 2, 5, 37, 23, 150
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16)
+    kv1 = jnp.asarray(rng.standard_normal((b, s1, d)), jnp.bfloat16)
+    kv2 = jnp.asarray(rng.standard_normal((b, s2, d)), jnp.bfloat16)
+    idx = jnp.asarray(rng.integers(-40, s1 + s2 + 40, (b, t, k)).astype(np.int32))
+    tl = jnp.asarray(rng.integers(0, k + 1, (b, t)).astype(np.int32))
+    lse = jnp.asarray(rng.standard_normal((b, t, h)) + 5.0, jnp.float32)
+    do = jnp.asarray(rng.standard_normal((b, t, h, 512)), jnp.bfloat16)
+    o = jnp.asarray(rng.standard_normal((b, t, h, 512)), jnp.bfloat16)
+    coef = jnp.ones((b, t, h, 2), jnp.float32)
+    dq, dkv, delta = cute_ffi.sparse_mla_bwd_two_pool(q, kv1, kv2, idx, tl, lse, do, o, coef,
+                                                      scale=d ** -0.5)
+    assert dkv.shape == (b, s1 + s2, d) and np.isfinite(np.asarray(dkv)).all()
+    print(f"two-pool backward H={h} Dqk={d}: ok")
+print("two-pool backward memcheck case done")
+
 # Backward through the kernels on the same kind of problem, atomic and deterministic; H = 32, 16
 # and 8 with T = 8 run grouped (the list-union kernel, then 2, 4 or 8 tokens per 64-row token).
 for h, d, det, t in ((100, 576, False, 5), (100, 512, False, 5), (17, 512, False, 5),

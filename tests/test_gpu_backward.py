@@ -255,23 +255,25 @@ def test_reference_backward_with_deterministic_is_bitwise_reproducible_on_gpu():
             np.testing.assert_array_equal(np.asarray(g), g0, err_msg=name)
 
 
-@pytest.mark.parametrize("h,d", [(128, 576), (64, 512), (16, 512)], ids=["H128D576", "H64D512",
-                                                                        "H16D512"])
-def test_two_pools_on_the_kernels_match_the_oracle(h, d):
+@pytest.mark.parametrize("b,h,d", [(1, 128, 576), (2, 64, 512), (2, 100, 576), (1, 16, 512)],
+                         ids=["B1H128D576", "B2H64D512", "B2H100D576", "B1H16D512"])
+def test_two_pools_on_the_kernels_match_the_oracle(b, h, d):
     """sparse_mla(..., extra_kv=, extra_idx=, extra_topk_length=) on the kernels: o, lse and the
     gradients of q, both pools and the sink against the float64 oracle on the concatenated
-    pool (the window over a raw KV next to a top-k over a compressed KV)."""
+    pool (the window over a raw KV next to a top-k over a compressed KV). B1H128D576 and
+    B2H100D576 run the two pools in one softmax (the two-pool backward kernel), B2H64D512
+    combines one attention per pool, B1H16D512 runs grouped over the concatenation."""
     _kernel_or_skip()
-    rng = np.random.default_rng(h + d)
-    p1 = make_problem(rng, 1, 8, h, d, 600, 128, sink=True, topk="partial")  # window
-    p2 = make_problem(rng, 1, 8, h, d, 300, 640, topk="partial")  # compressed top-k
+    rng = np.random.default_rng(b * 1000 + h + d)
+    p1 = make_problem(rng, b, 8, h, d, 600, 128, sink=True, topk="partial")  # window
+    p2 = make_problem(rng, b, 8, h, d, 300, 640, topk="partial")  # compressed top-k
     q = jnp.asarray(p1.q, jnp.bfloat16)
     kv1, kv2 = jnp.asarray(p1.kv, jnp.bfloat16), jnp.asarray(p2.kv, jnp.bfloat16)
     s1 = p1.kv.shape[1]
     kv_cat, idx_cat = oracle.one_pool(kv1, p1.idx, p1.lengths, kv2, p2.idx, p2.lengths)
-    full = np.full((1, 8), idx_cat.shape[2], np.int32)
-    w_o = rng.standard_normal((1, 8, h, 512)).astype(np.float32)
-    w_lse = rng.standard_normal((1, 8, h)).astype(np.float32)
+    full = np.full((b, 8), idx_cat.shape[2], np.int32)
+    w_o = rng.standard_normal((b, 8, h, 512)).astype(np.float32)
+    w_lse = rng.standard_normal((b, 8, h)).astype(np.float32)
 
     def loss(q, kv1, kv2, sink):
         o, lse = jax_dsa.sparse_mla(q, kv1, jnp.asarray(p1.idx), sink=sink,
@@ -296,3 +298,46 @@ def test_two_pools_on_the_kernels_match_the_oracle(h, d):
         g = np.asarray(g, np.float32)
         assert np.all(np.isfinite(g)), name
         assert rel_err(g, w) < 2e-2, (name, rel_err(g, w))
+@pytest.mark.parametrize("h,d", [(128, 576), (64, 512)], ids=["H128D576", "H64D512"])
+def test_two_pool_backward_reads_both_pools_in_place(h, d):
+    """At a prefill shape (B 2, T 64) the gradients of a two-pool call come from the two-pool
+    backward kernel, with no [B, S1 + S2, Dqk] copy of the pools in the program, and equal
+    those of the one-pool kernels over the caller's concatenation."""
+    _kernel_or_skip()
+    from jax_dsa import _core
+    rng = np.random.default_rng(h + d + 7)
+    b, t = 2, 64
+    p1 = make_problem(rng, b, t, h, d, 600, 128, sink=True, topk="partial")
+    p2 = make_problem(rng, b, t, h, d, 300, 320, topk="partial")
+    q = jnp.asarray(p1.q, jnp.bfloat16)
+    kv1, kv2 = jnp.asarray(p1.kv, jnp.bfloat16), jnp.asarray(p2.kv, jnp.bfloat16)
+    sink = jnp.asarray(p1.sink)
+    lists = tuple(jnp.asarray(x) for x in (p1.idx, p1.topk_length, p2.idx, p2.topk_length))
+    w_o = jnp.asarray(rng.standard_normal((b, t, h, 512)), jnp.float32)
+
+    def two(q, kv1, kv2, sink):
+        o = jax_dsa.sparse_mla(q, kv1, lists[0], sink=sink, topk_length=lists[1],
+                               implementation="cute", extra_kv=kv2, extra_idx=lists[2],
+                               extra_topk_length=lists[3])
+        return jnp.sum(o.astype(jnp.float32) * w_o)
+
+    def one(q, kv_c, sink, idx_c, len_c):
+        o = jax_dsa.sparse_mla(q, kv_c, idx_c, sink=sink, topk_length=len_c,
+                               implementation="cute")
+        return jnp.sum(o.astype(jnp.float32) * w_o)
+
+    grad_two = jax.jit(jax.grad(two, argnums=(0, 1, 2, 3)))
+    text = grad_two.lower(q, kv1, kv2, sink).as_text()
+    assert "jax_dsa_sparse_mla_bwd_two_pool_sm90" in text
+    assert f"tensor<{b}x{p1.kv.shape[1] + p2.kv.shape[1]}x{d}xbf16>" not in text
+    got = grad_two(q, kv1, kv2, sink)
+    kv_c, idx_c, len_c = _core.one_pool(kv1, lists[0], lists[1], kv2, lists[2], lists[3])
+    dq, dkv_c, dsink = jax.jit(jax.grad(one, argnums=(0, 1, 2)))(q, kv_c, sink, idx_c, len_c)
+    s1 = p1.kv.shape[1]
+    want = (dq, dkv_c[:, :s1], dkv_c[:, s1:], dsink)
+    for name, g, w in zip(("dq", "dkv", "dextra_kv", "dsink"), got, want):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        assert np.all(np.isfinite(g)), name
+        assert rel_err(g, w) < 1e-2, (name, rel_err(g, w))
+
+

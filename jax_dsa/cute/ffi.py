@@ -28,6 +28,7 @@ TARGETS = {
     "jax_dsa_sparse_mla_fwd_split_sm90": "JaxDsaSparseMlaFwdSplitSm90",
     "jax_dsa_sparse_mla_fwd_two_pool_sm90": "JaxDsaSparseMlaFwdTwoPoolSm90",
     "jax_dsa_sparse_mla_bwd_sm90": "JaxDsaSparseMlaBwdSm90",
+    "jax_dsa_sparse_mla_bwd_two_pool_sm90": "JaxDsaSparseMlaBwdTwoPoolSm90",
     "jax_dsa_sparse_mla_bwd_deterministic_sm90": "JaxDsaSparseMlaBwdDeterministicSm90",
     "jax_dsa_sparse_mla_bwd_grouped_sm90": "JaxDsaSparseMlaBwdGroupedSm90",
     "jax_dsa_group_union_sm90": "JaxDsaGroupUnionSm90",
@@ -132,6 +133,11 @@ def _num_kernels(symbol: str) -> int:
 def has_two_pool_forward() -> bool:
     """True when the library holds the two-pool forward kernels. Never raises."""
     return _num_kernels("JaxDsaFwdTwoPoolNumKernels") > 0
+
+
+def has_two_pool_backward() -> bool:
+    """True when the library holds the two-pool backward kernels. Never raises."""
+    return _num_kernels("JaxDsaBwdTwoPoolNumKernels") > 0
 
 
 def has_backward() -> bool:
@@ -254,6 +260,20 @@ def sparse_mla_bwd(q, kv, idx, topk_length, lse, do, o, coef, *, scale, group=1)
     else:
         dq, dkv, delta = _call("jax_dsa_sparse_mla_bwd_grouped_sm90", _bwd_shapes(q, kv), *args,
                                scale=np.float32(scale), group=np.int32(group))
+    return dq, _dkv_logical(dkv), delta
+
+
+def sparse_mla_bwd_two_pool(q, kv, kv2, idx, topk_length, lse, do, o, coef, *, scale):
+    """sparse_mla_bwd over two pools read in place: idx [B, T, K] numbers kv's rows [0, S1)
+    then kv2's from S1 on (jax_dsa._core.one_list); returns (dq, dkv [B, S1 + S2, Dqk] float32
+    for both pools in that numbering, delta)."""
+    args = _bwd_args(q, kv, idx, topk_length, lse, do, o, coef)
+    B, T, H, D = q.shape
+    shapes = (jax.ShapeDtypeStruct((B, T, H, D), q.dtype),
+              jax.ShapeDtypeStruct((B, kv.shape[1] + kv2.shape[1], D), jnp.float32),
+              jax.ShapeDtypeStruct((B, T, H), jnp.float32))
+    dq, dkv, delta = _call("jax_dsa_sparse_mla_bwd_two_pool_sm90", shapes, args[0], args[1],
+                           kv2.astype(q.dtype), *args[2:], scale=np.float32(scale))
     return dq, _dkv_logical(dkv), delta
 
 

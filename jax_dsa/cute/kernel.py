@@ -35,9 +35,7 @@ def forward(q, kv, idx, topk_length, sink, *, scale, config: Config, poison_outp
 def backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale, config: Config,
              deterministic: bool):
     """(dq, dkv float32, dsink [B, H])."""
-    c, sink_share = reference.sink_split(sink[None, None, :], lse)
-    # dS_j = p~_j * (c * dP_j - (c * delta - dlse)): the kernel computes delta and needs c, dlse.
-    coef = jnp.stack([c, dlse], axis=-1)
+    coef, sink_share = _coef(sink, lse, dlse)
     bwd = config.bwd
     if deterministic:
         dq, dkv, delta = ffi.sparse_mla_bwd_deterministic(
@@ -49,8 +47,29 @@ def backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale, config: 
     else:
         dq, dkv, delta = ffi.sparse_mla_bwd(q, kv, idx, topk_length, lse, do, o, coef,
                                             scale=scale)
-    dsink = jnp.where(jnp.isneginf(sink)[None, :], 0.0, -jnp.sum(sink_share * delta, axis=1))
-    return dq, dkv, dsink
+    return dq, dkv, _dsink(sink, sink_share, delta)
+
+
+def _coef(sink, lse, dlse):
+    """The kernels' per-row coef [B, T, H, 2] = (c, dlse), c = 1 / (1 + e^(sink - lse)), and
+    the sink's share of each row for dsink: dS_j = p~_j (c dP_j - (c delta - dlse)), where the
+    kernel computes delta."""
+    c, sink_share = reference.sink_split(sink[None, None, :], lse)
+    return jnp.stack([c, dlse], axis=-1), sink_share
+
+
+def _dsink(sink, sink_share, delta):
+    """dsink [B, H] from the kernel's delta (0 for "no sink", -inf)."""
+    return jnp.where(jnp.isneginf(sink)[None, :], 0.0, -jnp.sum(sink_share * delta, axis=1))
+
+
+def backward_two_pool(q, kv, kv2, idx, topk_length, sink, o, lse, do, dlse, *, scale):
+    """The plain backward over two pools read in place (idx numbers kv's rows, then kv2's
+    from S1 on: jax_dsa._core.one_list): (dq, dkv float32 [B, S1 + S2, Dqk], dsink [B, H])."""
+    coef, sink_share = _coef(sink, lse, dlse)
+    dq, dkv, delta = ffi.sparse_mla_bwd_two_pool(q, kv, kv2, idx, topk_length, lse, do, o, coef,
+                                                 scale=scale)
+    return dq, dkv, _dsink(sink, sink_share, delta)
 
 
 def _grouped_backward(q, kv, idx, topk_length, lse, do, o, coef, *, scale, group, union):

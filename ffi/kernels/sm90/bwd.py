@@ -12,7 +12,9 @@ entry j of token bt and head block hb is stored, all Dqk columns, at workspace r
 ((bt - t_begin) * K + j) * n_hb + hb, and dkv_reduce.py sums each kv row's run in a fixed
 order); group = 2 / 4 / 8 (the 64 rows are `group` consecutive tokens of 64 / group heads over
 their merged list, jax_dsa/cute/grouping.py; head row i sees an entry only if membership bit
-MEMBER_SHIFT + i // (64 / group) is set).
+MEMBER_SHIFT + i // (64 / group) is set); two pools (SparseMlaBwdTwoPoolSm90, plain form: the
+list numbers kv's rows then kv2's from S1 on, dkv holds both, and only the gather's source
+address depends on the pool, _kv_source).
 
 Grid (n_tok tokens from t_begin x ceil(H / 64) head blocks, a token's head blocks adjacent),
 256 threads = 2 warpgroups, one CTA
@@ -46,7 +48,8 @@ and the plain, deterministic and grouped forms are one kernel body, specialized 
 (const_expr), so every export comes from one source and the forms cannot drift apart. The
 pipeline derivation and the per-block cost model: docs/kernel_log.md, "Design notes moved from
 the kernel modules". Entry point: compile_bwd(dtype, d_qk, deterministic=, group=, options=),
-arguments common.bwd_fake_args; launched by ffi/sparse_mla_bwd.cc.
+arguments common.bwd_fake_args; compile_bwd_two_pool(dtype, d_qk), arguments
+common.bwd_two_pool_fake_args; launched by ffi/sparse_mla_bwd.cc.
 """
 
 import cutlass
@@ -57,7 +60,8 @@ import cuda.bindings.driver as cuda
 
 from jax_dsa.cute.constants import MEMBER_SHIFT as GROUP_SHIFT, PERMUTED_DKV_DIMS
 
-from .common import (LOG2_E, acc_mn_view, bwd_fake_args, chunk16, compile_options,
+from .common import (LOG2_E, acc_mn_view, bwd_fake_args, bwd_two_pool_fake_args, chunk16,
+                     compile_options,
                      cp_async_16_zfill, gather_source, load_block_indices, red_add_v4_f32,
                      red_add_v4_f32_if, st_global_v4_f32, st_global_v4_f32_if)
 from .scatter_layout import (SCRATCH_BYTES, SCRATCH_WARP_FLOATS, pair_rows_exchange,
@@ -139,6 +143,19 @@ class SparseMlaBwdSm90:
         scale: cutlass.Float32,
         stream: cuda.CUstream,
     ):
+        n_hb = (H + self.bm - 1) // self.bm
+        # Grid x runs (token, head block) with the head blocks of a token adjacent: a token's
+        # CTAs add to the same dkv rows close in time, while those are in L2.
+        consts, smem_bytes = self._setup()
+        self.kernel(
+            mQ, mKV, mIdx, mLen, mLse, mDO, mO, mCoef, mDQ, mDKV, mDelta, T, H, S, K, t_begin,
+            n_hb, scale, *consts,
+        ).launch(grid=[n_tok * n_hb, 1, 1], block=[self.threads, 1, 1], smem=smem_bytes,
+                 min_blocks_per_mp=1, stream=stream)
+
+    def _setup(self):
+        """The kernel's compile-time arguments after scale (swizzle, layouts, tiled MMAs,
+        SharedStorage) and its dynamic shared memory size."""
         dt = self.dtype
         k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, dt)
         mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, dt)
@@ -174,27 +191,12 @@ class SparseMlaBwdSm90:
         dqr_mma = sm90_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, F32, (1, 1, 1), (64, 64))
         dkv_mma = sm90_utils.make_trivial_tiled_mma(dt, dt, MN_, MN_, F32, (1, 1, 1), (64, 64))
 
-        n_hb = (H + self.bm - 1) // self.bm
-        # Grid x runs (token, head block) with the head blocks of a token adjacent: a token's
-        # CTAs add to the same dkv rows close in time, while those are in L2.
-        grid = [n_tok * n_hb, 1, 1]
-        self.kernel(
-            mQ, mKV, mIdx, mLen, mLse, mDO, mO, mCoef, mDQ, mDKV, mDelta, T, H, S, K, t_begin,
-            n_hb,
-            scale,
-            k_atom.inner, sQ_layout.outer, sDO_layout.outer, sKV_layout.outer,
-            sT_layout.outer, sKt_layout.outer, sTt_layout.outer,
-            sO_layout, sOh_layout, sOr_layout,
-            sdp_mma, dq0_mma, dq1_mma, dqr_mma, dkv_mma, SharedStorage,
-        ).launch(
-            grid=grid,
-            block=[self.threads, 1, 1],
-            # (+ 1 KB: room for any alignment padding before the scratch array)
-            smem=SharedStorage.size_in_bytes() + (SCRATCH_BYTES + 1024 if self.smem_scatter
-                                                  else 0),
-            min_blocks_per_mp=1,
-            stream=stream,
-        )
+        smem_bytes = SharedStorage.size_in_bytes() + (
+            SCRATCH_BYTES + 1024 if self.smem_scatter else 0)  # (+ 1 KB: alignment padding)
+        return ((k_atom.inner, sQ_layout.outer, sDO_layout.outer, sKV_layout.outer,
+                 sT_layout.outer, sKt_layout.outer, sTt_layout.outer, sO_layout, sOh_layout,
+                 sOr_layout, sdp_mma, dq0_mma, dq1_mma, dqr_mma, dkv_mma, SharedStorage),
+                smem_bytes)
 
     # ---------------------------------------------------------------- helpers
     def _shared_storage(self, sQ_layout, sDO_layout, sKV_layout, sT_layout):
@@ -243,7 +245,25 @@ class SparseMlaBwdSm90:
         return r, row, ok
 
     @cute.jit
-    def _gather(self, kv_addr: cutlass.Int64, dbase: cutlass.Int32, idx_r: cute.Tensor,
+    def _kv_source(self, mKV: cute.Tensor, pool2, b: cutlass.Int32, S: cutlass.Int32):
+        """Where the gather reads a row of the list: (kv's address,) for one pool; for two
+        pools (SparseMlaBwdTwoPoolSm90: rows [0, S1) of kv, rows [S1, S) of kv2, S = S1 + S2)
+        (kv's address, base1, base2, S1) with base1 + (b S + row) * row_bytes = kv[b, row] and
+        base2 + (b S + row) * row_bytes = kv2[b, row - S1], so that the row's address keeps
+        the one-pool form (kv_batch = b S, the dkv rows' batch offset, as the scatter uses)."""
+        kv_addr = mKV.iterator.toint()
+        src = (kv_addr,)
+        if cutlass.const_expr(pool2 is not None):
+            mKV2, s1 = pool2
+            rb = cutlass.Int64(self.d_qk * 2)
+            bb = cutlass.Int64(b)
+            base1 = kv_addr - bb * cutlass.Int64(S - s1) * rb
+            base2 = mKV2.iterator.toint() - (bb + 1) * cutlass.Int64(s1) * rb
+            src = (kv_addr, base1, base2, s1)
+        return src
+
+    @cute.jit
+    def _gather(self, kv_src, dbase: cutlass.Int32, idx_r: cute.Tensor,
                 S: cutlass.Int32, kv_batch: cutlass.Int64, grow: cutlass.Int32,
                 gsub: cutlass.Int32, c_lo: cutlass.Constexpr, n_chunks: cutlass.Constexpr,
                 sRow: cute.Tensor, slot, write_rows: cutlass.Constexpr):
@@ -253,11 +273,17 @@ class SparseMlaBwdSm90:
         instructions around its 16 LDGSTS rather than swizzled address arithmetic per copy:
         chunk gsub + 8 i of row grow + 16 p sits in column tile
         c_lo / 8 + i, at row offset 128 (grow + 16 p) and swizzle slot gsub ^ (grow % 8)
-        (dbase: that slot of row grow in tile 0; kv_addr: kv's base address)."""
+        (dbase: that slot of row grow in tile 0; kv_src: _kv_source's tuple)."""
         for p in cutlass.range_constexpr(self.g_passes):
             _, row, ok = self._gather_row(idx_r, p, S, grow, gsub, sRow, slot, write_rows)
-            src, nbytes = gather_source(kv_addr, kv_batch, row, ok, self.d_qk * 2,
-                                        cutlass.Int64(gsub * 16))
+            if cutlass.const_expr(len(kv_src) == 1):
+                src, nbytes = gather_source(kv_src[0], kv_batch, row, ok, self.d_qk * 2,
+                                            cutlass.Int64(gsub * 16))
+            else:
+                kv_addr, base1, base2, s1 = kv_src
+                src, nbytes = gather_source(base1 if row < s1 else base2, kv_batch, row, ok,
+                                            self.d_qk * 2, cutlass.Int64(gsub * 16))
+                src = src if ok else kv_addr  # (an invalid entry's copy reads nothing)
             for i in cutlass.range_constexpr(n_chunks // self.g_tpr):
                 ct = c_lo // 8 + i
                 cp_async_16_zfill(dbase, src, nbytes,
@@ -302,6 +328,52 @@ class SparseMlaBwdSm90:
         dkv_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
+        """The one-pool kernel."""
+        self._body(mQ, mKV, mIdx, mLen, mLse, mDO, mO, mCoef, mDQ, mDKV, mDelta, T, H, S, K,
+                   t_begin, n_hb, scale, swz, sQ_layout, sDO_layout, sKV_layout, sT_layout,
+                   sKt_layout, sTt_layout, sO_layout, sOh_layout, sOr_layout, sdp_mma, dq0_mma,
+                   dq1_mma, dqr_mma, dkv_mma, SharedStorage, None)
+
+    @cute.jit
+    def _body(
+        self,
+        mQ: cute.Tensor,
+        mKV: cute.Tensor,
+        mIdx: cute.Tensor,
+        mLen: cute.Tensor,
+        mLse: cute.Tensor,
+        mDO: cute.Tensor,
+        mO: cute.Tensor,
+        mCoef: cute.Tensor,
+        mDQ: cute.Tensor,
+        mDKV: cute.Tensor,
+        mDelta: cute.Tensor,
+        T: cutlass.Int32,
+        H: cutlass.Int32,
+        S: cutlass.Int32,
+        K: cutlass.Int32,
+        t_begin: cutlass.Int32,
+        n_hb: cutlass.Int32,
+        scale: cutlass.Float32,
+        swz: cute.Swizzle,
+        sQ_layout: cute.Layout,
+        sDO_layout: cute.Layout,
+        sKV_layout: cute.Layout,
+        sT_layout: cute.Layout,
+        sKt_layout: cute.Layout,
+        sTt_layout: cute.Layout,
+        sO_layout: cute.ComposedLayout,
+        sOh_layout: cute.ComposedLayout,
+        sOr_layout: cute.ComposedLayout,
+        sdp_mma: cute.TiledMma,
+        dq0_mma: cute.TiledMma,
+        dq1_mma: cute.TiledMma,
+        dqr_mma: cute.TiledMma,
+        dkv_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+        pool2,
+    ):
+        """The kernel body (pool2: None, or SparseMlaBwdTwoPoolSm90's (mKV2, S1))."""
         bm, bn = self.bm, self.bn
         d_qk, d_v = self.d_qk, self.d_v
         tidx, _, _ = cute.arch.thread_idx()
@@ -373,15 +445,15 @@ class SparseMlaBwdSm90:
 
         # ---- block 0's indices and gather --------------------------------------------------
         grow, gsub, idx_r = self._gather_mapping(gtid)
-        kv_addr = mKV.iterator.toint()
+        kv_src = self._kv_source(mKV, pool2, b, S)
         g_dbase = storage.sKV.data_ptr().toint() + grow * 128 + ((gsub ^ (grow % 8)) * 16)
         load_block_indices(mIdx, idx_r, 0, k_eff, idx_base, grow, *self._idx_walk)
         if n_blocks > 0:
             if wg == 0:
-                self._gather(kv_addr, g_dbase, idx_r, S, kv_batch, grow, gsub, 0,
+                self._gather(kv_src, g_dbase, idx_r, S, kv_batch, grow, gsub, 0,
                              self.c0_chunks, sRow, 0, True)
             else:
-                self._gather(kv_addr, g_dbase, idx_r, S, kv_batch, grow, gsub,
+                self._gather(kv_src, g_dbase, idx_r, S, kv_batch, grow, gsub,
                              self.c0_chunks, self.c1_chunks, sRow, 0, False)
             cute.arch.cp_async_mbarrier_arrive_noinc(mbar + KV_FULL)
             cute.arch.mbarrier_arrive(mbar + KV_FULL)
@@ -536,7 +608,7 @@ class SparseMlaBwdSm90:
 
                 # refill columns [0, 256) with block blk + 1 (last reader of them: this dQ)
                 if blk + 1 < n_blocks:
-                    self._gather(kv_addr, g_dbase, idx_r, S, kv_batch, grow, gsub, 0,
+                    self._gather(kv_src, g_dbase, idx_r, S, kv_batch, grow, gsub, 0,
                                  self.c0_chunks, sRow, 1 - slot, True)
                     cute.arch.cp_async_mbarrier_arrive_noinc(mbar + KV_FULL)
                     cute.arch.mbarrier_arrive(mbar + KV_FULL)
@@ -562,7 +634,7 @@ class SparseMlaBwdSm90:
         else:
             # ===================================== WG1 =====================================
             self._wg1(dq1_mma, dqr_mma, dkv_mma, gtid, sDS, kv_sw, sKt_layout, sTt_layout,
-                      n_blocks, mIdx, idx_r, k_eff, idx_base, grow, mbar, kv_addr, g_dbase, S,
+                      n_blocks, mIdx, idx_r, k_eff, idx_base, grow, mbar, kv_src, g_dbase, S,
                       kv_batch, gsub, sRow, ds_sw, p_sw, q_sw, do_sw, bt32, t_begin, K, hb,
                       n_hb, kh, scale, mDKV, scr, q_base, sOh_layout, sOr_layout)
 
@@ -579,7 +651,7 @@ class SparseMlaBwdSm90:
 
     @cute.jit
     def _wg1(self, dq1_mma, dqr_mma, dkv_mma, gtid, sDS, kv_sw, sKt_layout, sTt_layout,
-             n_blocks, mIdx, idx_r, k_eff, idx_base, grow, mbar, kv_addr, g_dbase, S, kv_batch,
+             n_blocks, mIdx, idx_r, k_eff, idx_base, grow, mbar, kv_src, g_dbase, S, kv_batch,
              gsub, sRow, ds_sw, p_sw, q_sw, do_sw, bt32, t_begin, K, hb, n_hb, kh, scale, mDKV,
              scr, q_base, sOh_layout, sOr_layout):
         """WG1's block loop: per block the dQ half on KV columns [256, Dqk), the refill of those
@@ -628,7 +700,7 @@ class SparseMlaBwdSm90:
 
             # refill columns [256, Dqk) with block blk + 1 (last reader: the dQ above)
             if blk + 1 < n_blocks:
-                self._gather(kv_addr, g_dbase, idx_r, S, kv_batch, grow, gsub,
+                self._gather(kv_src, g_dbase, idx_r, S, kv_batch, grow, gsub,
                              self.c0_chunks, self.c1_chunks, sRow, 1 - slot, False)
                 cute.arch.cp_async_mbarrier_arrive_noinc(mbar + KV_FULL)
                 cute.arch.mbarrier_arrive(mbar + KV_FULL)
@@ -869,6 +941,101 @@ class SparseMlaBwdSm90:
 
 
 # -------------------------------------------------------------------- AOT compile entry
+class SparseMlaBwdTwoPoolSm90(SparseMlaBwdSm90):
+    """The plain backward over two KV pools without building one: idx holds both pools' rows
+    as one (pool 2's from S1 = kv's row count on, as jax_dsa._core.one_pool numbers them) and
+    dkv has S = S1 + S2 rows; only the gather reads row r from kv2[b, r - S1] when r >= S1
+    (_kv_source). Everything else is the one-pool kernel's."""
+
+    def __init__(self, dtype, d_qk: int, d_v: int = 512):
+        super().__init__(dtype, d_qk, d_v)
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mKV: cute.Tensor,
+        mKV2: cute.Tensor,
+        mIdx: cute.Tensor,
+        mLen: cute.Tensor,
+        mLse: cute.Tensor,
+        mDO: cute.Tensor,
+        mO: cute.Tensor,
+        mCoef: cute.Tensor,
+        mDQ: cute.Tensor,
+        mDKV: cute.Tensor,
+        mDelta: cute.Tensor,
+        B: cutlass.Int32,
+        T: cutlass.Int32,
+        H: cutlass.Int32,
+        S: cutlass.Int32,
+        S1: cutlass.Int32,
+        K: cutlass.Int32,
+        t_begin: cutlass.Int32,
+        n_tok: cutlass.Int32,
+        scale: cutlass.Float32,
+        stream: cuda.CUstream,
+    ):
+        n_hb = (H + self.bm - 1) // self.bm
+        consts, smem_bytes = self._setup()
+        self.kernel_two_pool(
+            mQ, mKV, mKV2, mIdx, mLen, mLse, mDO, mO, mCoef, mDQ, mDKV, mDelta, T, H, S, S1, K,
+            t_begin, n_hb, scale, *consts,
+        ).launch(grid=[n_tok * n_hb, 1, 1], block=[self.threads, 1, 1], smem=smem_bytes,
+                 min_blocks_per_mp=1, stream=stream)
+
+    @cute.kernel
+    def kernel_two_pool(
+        self,
+        mQ: cute.Tensor,
+        mKV: cute.Tensor,
+        mKV2: cute.Tensor,
+        mIdx: cute.Tensor,
+        mLen: cute.Tensor,
+        mLse: cute.Tensor,
+        mDO: cute.Tensor,
+        mO: cute.Tensor,
+        mCoef: cute.Tensor,
+        mDQ: cute.Tensor,
+        mDKV: cute.Tensor,
+        mDelta: cute.Tensor,
+        T: cutlass.Int32,
+        H: cutlass.Int32,
+        S: cutlass.Int32,
+        S1: cutlass.Int32,
+        K: cutlass.Int32,
+        t_begin: cutlass.Int32,
+        n_hb: cutlass.Int32,
+        scale: cutlass.Float32,
+        swz: cute.Swizzle,
+        sQ_layout: cute.Layout,
+        sDO_layout: cute.Layout,
+        sKV_layout: cute.Layout,
+        sT_layout: cute.Layout,
+        sKt_layout: cute.Layout,
+        sTt_layout: cute.Layout,
+        sO_layout: cute.ComposedLayout,
+        sOh_layout: cute.ComposedLayout,
+        sOr_layout: cute.ComposedLayout,
+        sdp_mma: cute.TiledMma,
+        dq0_mma: cute.TiledMma,
+        dq1_mma: cute.TiledMma,
+        dqr_mma: cute.TiledMma,
+        dkv_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        self._body(mQ, mKV, mIdx, mLen, mLse, mDO, mO, mCoef, mDQ, mDKV, mDelta, T, H, S, K,
+                   t_begin, n_hb, scale, swz, sQ_layout, sDO_layout, sKV_layout, sT_layout,
+                   sKt_layout, sTt_layout, sO_layout, sOh_layout, sOr_layout, sdp_mma, dq0_mma,
+                   dq1_mma, dqr_mma, dkv_mma, SharedStorage, (mKV2, S1))
+
+
+def compile_bwd_two_pool(dtype, d_qk: int, d_v: int = 512):
+    """Compile the two-pool backward with fake tensors (common.bwd_two_pool_fake_args)."""
+    return cute.compile(SparseMlaBwdTwoPoolSm90(dtype, d_qk, d_v),
+                        *bwd_two_pool_fake_args(dtype, d_qk, d_v))
+
+
 def compile_bwd(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
                 group: int = 1, options: str | None = None):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU

@@ -314,6 +314,15 @@ def bwd_fake_args(dtype, d_qk: int, d_v: int):
     )
 
 
+def bwd_two_pool_fake_args(dtype, d_qk: int, d_v: int):
+    """Two-pool backward: bwd_fake_args with kv2 (B*S2, Dqk) after kv and S1 after S (S = S1 +
+    S2: idx and dkv address the two pools as one, pool 2's rows from S1 on)."""
+    args = bwd_fake_args(dtype, d_qk, d_v)
+    i32 = cutlass.Int32(1)
+    kv2 = _rows(dtype, cute.sym_int64(), d_qk)
+    return args[:2] + (kv2,) + args[2:15] + (i32,) + args[15:]
+
+
 def compile_options(options: str | None) -> dict:
     """cute.compile keyword arguments for extra options, e.g. "--ptxas-options '-v'"."""
     return {"options": options} if options else {}
