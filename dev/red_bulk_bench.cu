@@ -6,8 +6,9 @@
 // each token's list added `dup` times back to back (the two 64-head CTAs of a token), one CTA
 // per (token, copy) walking 64-entry blocks and 64-column chunks, D fp32 columns per row.
 // Question: does the bulk form reach a higher reduction rate, in L2 (S 4K) and past it
-// (S 64K: a 128 MB accumulator)?
-//   nvcc -O3 -std=c++17 -arch=sm_90a dev/red_bulk_bench.cu -o build/rbb && build/rbb
+// (S 64K: a 128 MB accumulator)? With arguments (T K D S ...) it also gives the RED stream's
+// time alone at a benchmark shape: the floor of a backward that adds each entry `dup` times.
+//   nvcc -O3 -std=c++17 -arch=sm_90a dev/red_bulk_bench.cu -o build/rbb && build/rbb [T K D S]...
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -76,31 +77,30 @@ __global__ void scatter_bulk(float* dkv, const int* idx, int K, int dup) {
   if (t < 64) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
-int main() {
-  const int T = 1024, K = 1152, window = 128;
-  for (int S : {4096, 65536}) {
-    std::vector<int> h((size_t)T * K);
-    srand(1);
-    for (int t = 0; t < T; ++t) {
-      int pos = S - T + t;
-      for (int j = 0; j < K; ++j)
-        h[(size_t)t * K + j] = j < window ? pos - window + 1 + j : rand() % S;
-    }
-    int* idx;
-    float* dkv;
-    cudaMalloc(&idx, h.size() * 4);
-    cudaMemcpy(idx, h.data(), h.size() * 4, cudaMemcpyHostToDevice);
-    constexpr int D = 512;
-    cudaMalloc(&dkv, (size_t)S * D * 4);
-    cudaMemset(dkv, 0, (size_t)S * D * 4);
-    for (int dup : {1, 2}) {
-      double gb = (double)T * dup * K * D * 4 / 1e9;
-      float tr = median_ms([&] { scatter_red<D><<<T * dup, 128>>>(dkv, idx, K, dup); }, 7);
-      float tb = median_ms([&] { scatter_bulk<D><<<T * dup, 128>>>(dkv, idx, K, dup); }, 7);
-      printf("S %6d dup %d (%.2f GB): red.v4 %.3f ms (%.0f GB/s) | bulk 256 B %.3f ms (%.0f GB/s)\n",
-             S, dup, gb, tr, gb / tr * 1e3, tb, gb / tb * 1e3);
-    }
-    // the two forms add the same values: check they agree on one run each from zero
+template <int D>
+void measure(int T, int K, int S, bool check) {
+  const int window = 128;
+  std::vector<int> h((size_t)T * K);
+  srand(1);
+  for (int t = 0; t < T; ++t) {
+    int pos = S - T + t;
+    for (int j = 0; j < K; ++j)
+      h[(size_t)t * K + j] = j < window ? pos - window + 1 + j : rand() % S;
+  }
+  int* idx;
+  float* dkv;
+  cudaMalloc(&idx, h.size() * 4);
+  cudaMemcpy(idx, h.data(), h.size() * 4, cudaMemcpyHostToDevice);
+  cudaMalloc(&dkv, (size_t)S * D * 4);
+  cudaMemset(dkv, 0, (size_t)S * D * 4);
+  for (int dup : {1, 2}) {
+    double gb = (double)T * dup * K * D * 4 / 1e9;
+    float tr = median_ms([&] { scatter_red<D><<<T * dup, 128>>>(dkv, idx, K, dup); }, 5);
+    float tb = median_ms([&] { scatter_bulk<D><<<T * dup, 128>>>(dkv, idx, K, dup); }, 5);
+    printf("T %d K %d D %d S %6d dup %d (%.2f GB): red.v4 %.3f ms (%.0f GB/s) | bulk 256 B "
+           "%.3f ms (%.0f GB/s)\n", T, K, D, S, dup, gb, tr, gb / tr * 1e3, tb, gb / tb * 1e3);
+  }
+  if (check) {  // the two forms add the same values: one run each from zero
     std::vector<float> a((size_t)S * D), b((size_t)S * D);
     cudaMemset(dkv, 0, (size_t)S * D * 4);
     scatter_red<D><<<T, 128>>>(dkv, idx, K, 1);
@@ -110,10 +110,25 @@ int main() {
     cudaMemcpy(b.data(), dkv, b.size() * 4, cudaMemcpyDeviceToHost);
     size_t bad = 0;
     for (size_t i = 0; i < a.size(); ++i) bad += a[i] != b[i];
-    printf("S %6d: forms agree on %zu of %zu values; %s\n", S, a.size() - bad, a.size(),
+    printf("  forms agree on %zu of %zu values; %s\n", a.size() - bad, a.size(),
            cudaGetErrorString(cudaGetLastError()));
-    cudaFree(idx);
-    cudaFree(dkv);
+  }
+  cudaFree(idx);
+  cudaFree(dkv);
+}
+
+// Arguments: T K D S (D 512 or 576), several groups of four; default: the 1024-token check
+// at S 4K and 64K.
+int main(int argc, char** argv) {
+  if (argc < 5) {
+    measure<512>(1024, 1152, 4096, true);
+    measure<512>(1024, 1152, 65536, true);
+    return 0;
+  }
+  for (int a = 1; a + 3 < argc; a += 4) {
+    int T = atoi(argv[a]), K = atoi(argv[a + 1]), D = atoi(argv[a + 2]), S = atoi(argv[a + 3]);
+    if (D == 576) measure<576>(T, K, S, false);
+    else measure<512>(T, K, S, false);
   }
   return 0;
 }
