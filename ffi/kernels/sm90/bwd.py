@@ -943,7 +943,7 @@ class SparseMlaBwdSm90:
 # -------------------------------------------------------------------- AOT compile entry
 class SparseMlaBwdTwoPoolSm90(SparseMlaBwdSm90):
     """The plain backward over two KV pools without building one: idx holds both pools' rows
-    as one (pool 2's from S1 = kv's row count on, as jax_dsa._core.one_pool numbers them) and
+    as one (pool 2's from S1 = kv's row count on, as jax_dsa._core.one_list numbers them) and
     dkv has S = S1 + S2 rows; only the gather reads row r from kv2[b, r - S1] when r >= S1
     (_kv_source). Everything else is the one-pool kernel's."""
 
