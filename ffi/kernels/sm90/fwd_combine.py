@@ -9,10 +9,10 @@ entry), row (bt * P + p) * H + h; the sink (H,) float32 (-inf: none). Output, ro
     o = sum_p w_p o_p / (l + e^(sink - M)),  lse = M + log l (-inf and o = 0 when l = 0).
 
 A NaN sink gives NaN for its head, as the unsplit kernel. Grid ceil(B*T*H / 4) CTAs of 256
-threads: 64 threads per row, each owning one 16-byte chunk (8 columns) of o, so a row's P
-chunk loads per thread are independent and the whole grid's loads are in flight at once (the
-parts were just written and sit in L2). The lse of the row's parts is read by every thread of
-the row (one broadcast line). Offsets are 64-bit.
+threads: 64 threads per row, each owning one 16-byte chunk (8 columns) of o and walking the
+parts (ptxas keeps about two parts' loads in flight per thread; issuing all of them at once
+through cp.async was measured no faster: docs/kernel_log.md). The lse of the row's parts is
+read by every thread of the row (one broadcast line). Offsets are 64-bit.
 
 Entry point: compile_fwd_combine(dtype), exported by ffi/build.py as jax_dsa_fwd_combine_<dtype>
 and launched by ffi/sparse_mla_fwd.cc after the split kernel.
