@@ -116,11 +116,13 @@ def _local_backward_two_pool(q, kv, idx, topk_length, kv2, idx2, topk_length2, s
     s1, s2 = kv.shape[1], kv2.shape[1]
     local = dict(scale=scale, d_v=d_v, config=config, deterministic=deterministic)
 
+    def split(dq, dkv, dsink):  # dkv over both pools' rows -> one per pool
+        return dq, dkv[:, :s1], dkv[:, s1:], dsink
+
     def concatenated(impl_):
         kv_c, idx_c, len_c = one_pool(kv, idx, topk_length, kv2, idx2, topk_length2)
-        dq, dkv, dsink = _local_backward(q, kv_c, idx_c, len_c, sink, o, lse, do, dlse,
-                                         impl=impl_, **local)
-        return dq, dkv[:, :s1], dkv[:, s1:], dsink
+        return split(*_local_backward(q, kv_c, idx_c, len_c, sink, o, lse, do, dlse,
+                                      impl=impl_, **local))
 
     def kernel(*_):
         from jax_dsa.cute import ffi, kernel as cute_kernel
@@ -129,9 +131,8 @@ def _local_backward_two_pool(q, kv, idx, topk_length, kv2, idx2, topk_length2, s
         if deterministic or cfg.bwd.group != 1 or not ffi.has_two_pool_backward():
             return concatenated("cute")
         idx_c, len_c = one_list(idx, topk_length, idx2, topk_length2, s1, s2)
-        dq, dkv, dsink = cute_kernel.backward_two_pool(q, kv, kv2, idx_c, len_c, sink, o, lse,
-                                                       do, dlse, scale=scale)
-        return dq, dkv[:, :s1], dkv[:, s1:], dsink
+        return split(*cute_kernel.backward_two_pool(q, kv, kv2, idx_c, len_c, sink, o, lse, do,
+                                                    dlse, scale=scale))
 
     if impl == "xla" or not _backward_kernel_built():
         return concatenated("xla")

@@ -225,10 +225,10 @@ def _bwd_args(q, kv, idx, topk_length, lse, do, o, coef):
             o.astype(q.dtype), _f32(coef))
 
 
-def _bwd_shapes(q, kv):
+def _bwd_shapes(q, kv_rows: int):
     B, T, H, D = q.shape
     return (jax.ShapeDtypeStruct((B, T, H, D), q.dtype),  # dq
-            jax.ShapeDtypeStruct((B, kv.shape[1], D), jnp.float32),  # dkv
+            jax.ShapeDtypeStruct((B, kv_rows, D), jnp.float32),  # dkv
             jax.ShapeDtypeStruct((B, T, H), jnp.float32))  # delta
 
 
@@ -255,10 +255,10 @@ def sparse_mla_bwd(q, kv, idx, topk_length, lse, do, o, coef, *, scale, group=1)
     """
     args = _bwd_args(q, kv, idx, topk_length, lse, do, o, coef)
     if group == 1:
-        dq, dkv, delta = _call("jax_dsa_sparse_mla_bwd_sm90", _bwd_shapes(q, kv), *args,
+        dq, dkv, delta = _call("jax_dsa_sparse_mla_bwd_sm90", _bwd_shapes(q, kv.shape[1]), *args,
                                scale=np.float32(scale))
     else:
-        dq, dkv, delta = _call("jax_dsa_sparse_mla_bwd_grouped_sm90", _bwd_shapes(q, kv), *args,
+        dq, dkv, delta = _call("jax_dsa_sparse_mla_bwd_grouped_sm90", _bwd_shapes(q, kv.shape[1]), *args,
                                scale=np.float32(scale), group=np.int32(group))
     return dq, _dkv_logical(dkv), delta
 
@@ -268,11 +268,8 @@ def sparse_mla_bwd_two_pool(q, kv, kv2, idx, topk_length, lse, do, o, coef, *, s
     then kv2's from S1 on (jax_dsa._core.one_list); returns (dq, dkv [B, S1 + S2, Dqk] float32
     for both pools in that numbering, delta)."""
     args = _bwd_args(q, kv, idx, topk_length, lse, do, o, coef)
-    B, T, H, D = q.shape
-    shapes = (jax.ShapeDtypeStruct((B, T, H, D), q.dtype),
-              jax.ShapeDtypeStruct((B, kv.shape[1] + kv2.shape[1], D), jnp.float32),
-              jax.ShapeDtypeStruct((B, T, H), jnp.float32))
-    dq, dkv, delta = _call("jax_dsa_sparse_mla_bwd_two_pool_sm90", shapes, args[0], args[1],
+    dq, dkv, delta = _call("jax_dsa_sparse_mla_bwd_two_pool_sm90",
+                           _bwd_shapes(q, kv.shape[1] + kv2.shape[1]), args[0], args[1],
                            kv2.astype(q.dtype), *args[2:], scale=np.float32(scale))
     return dq, _dkv_logical(dkv), delta
 
@@ -304,7 +301,7 @@ def sparse_mla_bwd_deterministic(q, kv, idx, topk_length, lse, do, o, coef, *, s
     order, seg_end, rows = deterministic.entry_order(_i32(idx), _i32(topk_length), S, chunk)
     workspace = jax.ShapeDtypeStruct((chunk * K * (-(-H // 64)), D), jnp.float32)
     dq, dkv, delta, _ = _call(
-        "jax_dsa_sparse_mla_bwd_deterministic_sm90", _bwd_shapes(q, kv) + (workspace,),
+        "jax_dsa_sparse_mla_bwd_deterministic_sm90", _bwd_shapes(q, kv.shape[1]) + (workspace,),
         *_bwd_args(q, kv, idx, topk_length, lse, do, o, coef), order, seg_end, rows,
         scale=np.float32(scale))
     return dq, _dkv_logical(dkv), delta
