@@ -107,7 +107,8 @@ print("backward memcheck case done")
 
 # The indexer's score kernel: S not a multiple of the 256-row tile, Hi < 64, tokens before the
 # causal edge, compressed rows; then the selection built on it.
-for b, t, h, s, ratio, start in ((2, 37, 7, 300, 1, 250), (1, 70, 64, 513, 4, 1000)):
+for b, t, h, s, ratio, start in ((2, 37, 7, 300, 1, 250), (1, 70, 64, 513, 4, 1000),
+                                  (1, 300, 16, 700, 1, 500)):
     q = jnp.asarray(rng.standard_normal((b, t, h, 128)), jnp.bfloat16)
     k = jnp.asarray(rng.standard_normal((b, s, 128)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)

@@ -44,7 +44,8 @@ def _kernel_scores(q, k, w, scale, ratio, start):
 
 
 # (B, T, Hi, S, ratio, start, scale): S not a multiple of the 256-row tile, Hi 1..64, tokens
-# before / past the causal edge, compressed rows, a negative scale, more than one token group.
+# before / past the causal edge, compressed rows, a negative scale, more than one token group
+# (the kernel's CTAs take 256 tokens each: the last case has three groups, the last partial).
 SCORE_CASES = [
     (1, 16, 64, 300, 1, 284, 1.0),
     (2, 9, 7, 1000, 1, 500, 0.25),
@@ -53,6 +54,7 @@ SCORE_CASES = [
     (2, 33, 1, 2048, 4, 7000, 0.1),
     (1, 5, 64, 1, 1, 0, 1.0),
     (1, 200, 32, 700, 1, 550, 1.0),
+    (1, 600, 48, 900, 1, 250, 1.0),
 ]
 
 

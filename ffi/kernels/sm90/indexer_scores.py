@@ -12,16 +12,17 @@ Grid (ceil(S / 256), ceil(T / tpc), B), 384 threads = 3 warpgroups, one CTA per 
   * warpgroup 0, the producer (40 registers): the CTA's 256 rows of k once (16-byte cp.async,
     rows >= S zero), then Q and w of each of its tokens that sees any of those rows into a
     ring of NSTAGE stages (NP x 128 of Q and NP floats of w, heads >= Hi zero-filled), a full
-    and an empty mbarrier per stage.
+    and an empty mbarrier per stage. A stage is released (full) once its copies have landed
+    and been fenced for the async proxy, one stage behind the copies in flight.
   * warpgroups 1 and 2, the consumers (232 registers): each owns 128 of the rows, two 64-row
     m-tiles held in registers for the whole CTA as the A operands of the score GEMM (wgmma
     64 x NP x 16 with A from registers, 8 k-steps per m-tile; the rows negated once when
     scale < 0, since ReLU(scale x) = |scale| ReLU(-x)). The two consumers take turns at the
-    tensor cores (two named barriers): one issues both m-tiles' GEMMs of a token and hands
-    the turn over, then waits for its GEMMs and runs their epilogue (for each of its rows the
-    sum of ReLU(S) * |scale| w over the thread's NP / 4 head columns, the quad's all-reduce,
-    one store per row, -inf past the causal edge) while the other's GEMMs run. A token's
-    stage is released once both of its GEMMs are done.
+    tensor cores (two named barriers): one issues both m-tiles' GEMMs of a token, hands the
+    turn over when the first is done, then waits for the second and runs their epilogue
+    (for each of its rows the sum of ReLU(S) * w over the thread's NP / 4 head columns, the
+    quad's all-reduce times |scale|, one store per row, -inf past the causal edge) while
+    the other's GEMMs run. A token's stage is released once both of its GEMMs are done.
   Tokens before the first that sees row p0 (causal: the tile is entirely in their future) run
   no GEMM: the consumers store -inf for them.
 Shared memory: k 64 KB + NSTAGE x (16 KB Q + 256 B w) = 129 KB. The wgmma operands are K-major
@@ -175,9 +176,18 @@ class IndexerScoresSm90:
                 src = w_addr + (q_tok + cutlass.Int64(p)) * 4
                 cp_async_4_zfill(w_smem + (st * NP + p) * 4, src if ok else w_addr,
                                  cutlass.Int32(4) if ok else cutlass.Int32(0))
-            cute.arch.cp_async_mbarrier_arrive_noinc(mbar + 1 + st)
+            # Stage i's copies in flight, stage i - 1's landed: fenced for the async proxy
+            # (the consumers' wgmma reads Q from shared memory) and released to the consumers.
+            cute.arch.cp_async_commit_group()
+            if i > 0:
+                cute.arch.cp_async_wait_group(1)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.mbarrier_arrive(mbar + 1 + (i - 1) % NSTAGE)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
+        if t_end > t_first:  # the last stage
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.mbarrier_arrive(mbar + 1 + (t_end - t_first - 1) % NSTAGE)
 
     @cute.jit
     def _consume(self, mOut: cute.Tensor, sW: cute.Tensor, k_sw, q_sw, mbar,
@@ -216,9 +226,12 @@ class IndexerScoresSm90:
         wv = cute.make_rmem_tensor(nc, cutlass.Float32)
 
         # The two consumers take turns at the tensor cores (named barriers TURN_BAR + g: "g
-        # may issue"): each issues both m-tiles' GEMMs of token t, lets the other issue, waits
-        # for its own and runs the epilogue while the other's GEMMs run. The epilogue follows
-        # a wait, so ptxas cannot interleave it between the wgmma instructions.
+        # may issue"): each issues both m-tiles' GEMMs of token t, lets the other issue once
+        # its first m-tile is done (the second still keeps the tensor cores busy), waits for
+        # its own and runs the epilogue while the other's GEMMs run. w is read before the
+        # wait and used after it, so no shared-memory load stalls the hand-over; the
+        # epilogue follows a wait, so ptxas cannot interleave it between the wgmma
+        # instructions.
         if g == 1:
             cute.arch.barrier_arrive(barrier_id=TURN_BAR, number_of_threads=256)
         n = t_end - t_first
@@ -226,21 +239,20 @@ class IndexerScoresSm90:
             t = t_first + i
             st = i % NSTAGE
             cute.arch.mbarrier_wait(mbar + 1 + st, (i // NSTAGE) % 2)
-            # cp.async data (generic proxy) -> wgmma (async proxy).
-            cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=TURN_BAR + g, number_of_threads=256)
             for m in cutlass.range_constexpr(MT):
                 self._issue(qk_mma, accs[m], tSrK[m], q_sw, sQ_layout, st, gtid)
-            cute.arch.barrier_arrive(barrier_id=TURN_BAR + 1 - g, number_of_threads=256)
             for c in cutlass.range_constexpr(nc):
-                wv[c] = sW[st * NP + tScS[0, c][1]] * abs_scale
+                wv[c] = sW[st * NP + tScS[0, c][1]]
+            warpgroup.wait_group(1)
+            cute.arch.barrier_arrive(barrier_id=TURN_BAR + 1 - g, number_of_threads=256)
             warpgroup.wait_group(0)
             if lane == 0:  # both GEMMs of token t are done with its stage
                 cute.arch.mbarrier_arrive(mbar + 1 + NSTAGE + st)
             for m in cutlass.range_constexpr(MT):
                 self._store_rows(accs[m], wv, tScS, mOut, b, T, t, row_base + m * BM, S, start,
-                                 ratio, gtid)
-        if g == 0:  # the other's arrival after its last issue
+                                 ratio, gtid, abs_scale)
+        if g == 0:  # the other's last hand-over
             cute.arch.barrier(barrier_id=TURN_BAR, number_of_threads=256)
 
     @cute.jit
@@ -263,7 +275,7 @@ class IndexerScoresSm90:
     @cute.jit
     def _store_rows(self, acc: cute.Tensor, wv: cute.Tensor, tScS: cute.Tensor,
                     mOut: cute.Tensor, b, T: cutlass.Int32, t, row0, S: cutlass.Int32, start,
-                    ratio: cutlass.Int32, gtid):
+                    ratio: cutlass.Int32, gtid, abs_scale):
         """The scores of an m-tile's rows for token t: each thread's two rows, summed over
         its head columns (four independent partial sums: a short dependency chain) and across
         the quad; one thread of the quad stores each row."""
@@ -275,7 +287,7 @@ class IndexerScoresSm90:
             for c in cutlass.range_constexpr(self.nc):
                 part[c % 4] = part[c % 4] + cute.arch.fmax(S_mn[r, c], 0.0) * wv[c]
             a = (part[0] + part[1]) + (part[2] + part[3])
-            a = quad_allreduce(a, lambda x, y: x + y)
+            a = quad_allreduce(a, lambda x, y: x + y) * abs_scale
             row = row0 + tScS[r, 0][0]
             if gtid % 4 == r and row < S:
                 v = a
