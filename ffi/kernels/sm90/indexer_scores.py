@@ -8,7 +8,8 @@ Row s is visible to token t iff (s + 1) * ratio <= start + t + 1 (jax_dsa/indexe
 w [B, T, Hi] float32, out [B, T, S] float32; `start` is read from a 1-element int32 buffer so
 that a caller can walk chunks of tokens inside one XLA loop.
 
-Grid (ceil(S / 256), ceil(T / tpc), B), 384 threads = 3 warpgroups, one CTA per SM:
+Grid (ceil(S / 256), ceil(T / tpc), B) with tpc tokens per CTA (ffi/indexer.cc: 256),
+384 threads = 3 warpgroups, one CTA per SM:
   * warpgroup 0, the producer (40 registers): the CTA's 256 rows of k once (16-byte cp.async,
     rows >= S zero), then Q and w of each of its tokens that sees any of those rows into a
     ring of NSTAGE stages (NP x 128 of Q and NP floats of w, heads >= Hi zero-filled), a full
@@ -22,7 +23,8 @@ Grid (ceil(S / 256), ceil(T / tpc), B), 384 threads = 3 warpgroups, one CTA per 
     turn over when the first is done, then waits for the second and runs their epilogue
     (for each of its rows the sum of ReLU(S) * w over the thread's NP / 4 head columns, the
     quad's all-reduce times |scale|, one store per row, -inf past the causal edge) while
-    the other's GEMMs run. A token's stage is released once both of its GEMMs are done.
+    the other's GEMMs run. A token's stage goes back to the producer (empty) once both
+    consumers' GEMMs of it are done.
   Tokens before the first that sees row p0 (causal: the tile is entirely in their future) run
   no GEMM: the consumers store -inf for them.
 Shared memory: k 64 KB + NSTAGE x (16 KB Q + 256 B w) = 129 KB. The wgmma operands are K-major
