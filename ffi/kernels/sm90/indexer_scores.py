@@ -280,7 +280,7 @@ class IndexerScoresSm90:
                     ratio: cutlass.Int32, gtid, abs_scale):
         """The scores of an m-tile's rows for token t: each thread's two rows, summed over
         its head columns (four independent partial sums: a short dependency chain) and across
-        the quad; one thread of the quad stores each row."""
+        the quad, times |scale| (w is unscaled); one thread of the quad stores each row."""
         limit = start + t + 1  # row s is visible iff (s + 1) * ratio <= limit
         out_tok = (cutlass.Int64(b) * cutlass.Int64(T) + cutlass.Int64(t)) * cutlass.Int64(S)
         S_mn = acc_mn_view(acc)
