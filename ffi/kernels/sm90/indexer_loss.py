@@ -22,13 +22,12 @@ two-stage ring (invalid entries: zero rows that read nothing):
      the 8 lanes holding the same columns, the 4 warps through shared memory) into a
      shared-memory row of K scores (-inf at invalid entries);
   then the softmax over the row and dscore in place (block reductions);
-  2. S again; dw accumulated in registers; dd written to shared memory as two 16-bit tiles
-     (hi = round(dd), lo = round(dd - hi), so that the products keep ~16 mantissa bits);
-     dq += dd K_blk (wgmma, A = dd tiles, B = an MN-major view of the gathered rows) stays in
-     registers for the whole list; drow = dd^T Q (A = MN-major views of the dd tiles, B = an
-     MN-major view of Q) is added to dk[idx_j] with red.global.add.v2.f32, never at an
-     invalid entry.
-Shared memory: Q 16 KB + 2 x 16 KB ring + 2 x 8 KB dd tiles + 4 x K bytes of scores.
+  2. S again; dw accumulated in registers; dd rounded once to the inputs' dtype into a
+     shared-memory tile (as the attention backward rounds dS); dq += dd K_blk (wgmma, A =
+     the dd tile, B = an MN-major view of the gathered rows) stays in registers for the
+     whole list; drow = dd^T Q (A = an MN-major view of the dd tile, B = an MN-major view
+     of Q) is added to dk[idx_j] with red.global.add.v2.f32, never at an invalid entry.
+Shared memory: Q 16 KB + 2 x 16 KB ring + 8 KB dd tile + 4 x K bytes of scores.
 
 The forward (IndexerLossFwdSm90) runs pass 1 and the softmax statistics only and writes one KL
 per token (kl (B*T,) f32 instead of g and the gradients).
@@ -78,7 +77,7 @@ class IndexerLossBwdSm90:
         class SharedStorage:
             sQ: cute.struct.Align[cute.struct.MemRange[dt, BM * D], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, 2 * BN * D], 1024]
-            sDD: cute.struct.Align[cute.struct.MemRange[dt, 2 * BM * BN], 1024]  # hi, lo
+            sDD: cute.struct.Align[cute.struct.MemRange[dt, BM * BN], 1024]
             sScore: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, KMAX], 16]
             sPart: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * BN], 16]
             sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 8], 16]
@@ -141,12 +140,14 @@ class IndexerLossBwdSm90:
                 ds = g * (p * tsum - mTarget[idx_base + cutlass.Int64(j)])
             sScore[j] = ds
         cute.arch.barrier()
+        coef = cute.make_rmem_tensor(2, cutlass.Float32)  # dd = [a > 0] dscore_j coef_h
+        for r in cutlass.range_constexpr(2):
+            coef[r] = scale * w_r[r]
 
         # ---- pass 2: dw, dq and dk ----
         thr_dq = self._mma("dq").get_slice(tidx)
         thr_dk = self._mma("dk").get_slice(tidx)
-        sDDhi = cute.make_tensor(dd_sw, dd_layout)
-        sDDlo = cute.make_tensor(dd_sw + cute.assume(BM * BN, divby=4096), dd_layout)
+        sDD = cute.make_tensor(dd_sw, dd_layout)
         acc_dq = thr_dq.make_fragment_C(thr_dq.partition_shape_C((BM, D)))
         acc_dq.fill(0.0)
         r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt),
@@ -170,13 +171,10 @@ class IndexerLossBwdSm90:
                     a = S_mn[r, c] * scale
                     dw_acc[r] = dw_acc[r] + ds * cute.arch.fmax(a, 0.0)
                     S_mn[r, c] = cutlass.Float32(cutlass.select_(
-                        a > 0.0, scale * ds * w_r[r], cutlass.Float32(0.0)))
-            r_hi = cute.make_fragment_like(acc, dt)
-            r_hi.store(acc.load().to(dt))
-            r_lo = cute.make_fragment_like(acc, dt)
-            r_lo.store((acc.load() - r_hi.load().to(cutlass.Float32)).to(dt))
-            cute.copy(r2s, r2s.retile(r_hi), r2s.partition_D(sDDhi))
-            cute.copy(r2s, r2s.retile(r_lo), r2s.partition_D(sDDlo))
+                        a > 0.0, ds * coef[r], cutlass.Float32(0.0)))
+            r_dd = cute.make_fragment_like(acc, dt)
+            r_dd.store(acc.load().to(dt))
+            cute.copy(r2s, r2s.retile(r_dd), r2s.partition_D(sDD))
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier()
 
@@ -186,27 +184,19 @@ class IndexerLossBwdSm90:
             dk_mma = self._mma("dk")
             tq = dq_mma.get_slice(tidx)
             tk = dk_mma.get_slice(tidx)
-            tQrDDhi = tq.make_fragment_A(tq.partition_A(sDDhi))
-            tQrDDlo = tq.make_fragment_A(tq.partition_A(sDDlo))
+            tQrDD = tq.make_fragment_A(tq.partition_A(sDD))
             sKt = cute.make_tensor(k_sw + cute.assume(st * (BN * D), divby=4096), rowt_layout)
             tQrK = tq.make_fragment_B(tq.partition_B(sKt))
-            tKrDDhi = tk.make_fragment_A(tk.partition_A(cute.make_tensor(dd_sw, ddt_layout)))
-            tKrDDlo = tk.make_fragment_A(tk.partition_A(cute.make_tensor(
-                dd_sw + cute.assume(BM * BN, divby=4096), ddt_layout)))
+            tKrDD = tk.make_fragment_A(tk.partition_A(cute.make_tensor(dd_sw, ddt_layout)))
             tKrQ = tk.make_fragment_B(tk.partition_B(cute.make_tensor(q_sw, rowt_layout)))
             acc_dk = tk.make_fragment_C(tk.partition_shape_C((BN, D)))
             warpgroup.fence()
             dq_mma.set(warpgroup.Field.ACCUMULATE, True)
             for kk in cutlass.range_constexpr(BN // 16):
-                cute.gemm(dq_mma, acc_dq, tQrDDhi[None, None, kk], tQrK[None, None, kk], acc_dq)
-            for kk in cutlass.range_constexpr(BN // 16):
-                cute.gemm(dq_mma, acc_dq, tQrDDlo[None, None, kk], tQrK[None, None, kk], acc_dq)
+                cute.gemm(dq_mma, acc_dq, tQrDD[None, None, kk], tQrK[None, None, kk], acc_dq)
             for kk in cutlass.range_constexpr(BM // 16):
                 dk_mma.set(warpgroup.Field.ACCUMULATE, kk != 0)
-                cute.gemm(dk_mma, acc_dk, tKrDDhi[None, None, kk], tKrQ[None, None, kk], acc_dk)
-            dk_mma.set(warpgroup.Field.ACCUMULATE, True)
-            for kk in cutlass.range_constexpr(BM // 16):
-                cute.gemm(dk_mma, acc_dk, tKrDDlo[None, None, kk], tKrQ[None, None, kk], acc_dk)
+                cute.gemm(dk_mma, acc_dk, tKrDD[None, None, kk], tKrQ[None, None, kk], acc_dk)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
@@ -221,7 +211,7 @@ class IndexerLossBwdSm90:
                     col = tCcK[r, 2 * c][1]
                     red_add_v2_f32_if(cutlass.Int32(ok), base + cutlass.Int64(col) * 4,
                                       K_mn[r, 2 * c], K_mn[r, 2 * c + 1])
-            cute.arch.barrier()  # the dd tiles, the stage and sRow are free again
+            cute.arch.barrier()  # the dd tile, the stage and sRow are free again
         cute.arch.cp_async_wait_group(0)
 
         # ---- dw (the quad's four partial sums) and dq ----
