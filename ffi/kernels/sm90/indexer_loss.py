@@ -26,8 +26,13 @@ two-stage ring (invalid entries: zero rows that read nothing):
      shared-memory tile (as the attention backward rounds dS); dq += dd K_blk (wgmma, A =
      the dd tile, B = an MN-major view of the gathered rows) stays in registers for the
      whole list; drow = dd^T Q (A = an MN-major view of the dd tile, B = an MN-major view
-     of Q) is added to dk[idx_j] with red.global.add.v2.f32, never at an invalid entry.
-Shared memory: Q 16 KB + 2 x 16 KB ring + 8 KB dd tile + 4 x K bytes of scores.
+     of Q) is staged in shared memory (rows of 544 B) and added to dk[idx_j] by one 512-byte
+     bulk reduction per valid entry (cp.reduce.async.bulk add.f32, issued by thread j of
+     the block, never at an invalid entry; whole rows: narrow REDs straight from the
+     accumulator, 32 bytes of 8 rows per warp instruction, bound the kernel), waited for
+     before the next block rewrites the staging tile.
+Shared memory: Q 16 KB + 2 x 16 KB ring + 8 KB dd tile + 34 KB dk staging + 4 x K bytes of
+scores (~106 KB at K = 4096: two CTAs per SM).
 
 The forward (IndexerLossFwdSm90) runs pass 1 and the softmax statistics only and writes one KL
 per token (kl (B*T,) f32 instead of g and the gradients).
