@@ -1,5 +1,6 @@
-"""The attention target and the indexer loss (value, and value + gradients) at the V4 layer
-shapes of examples/benchmark_layer.py, with more calls per batch than the layer benchmark, for
+"""The attention target and the indexer loss (value, value + gradients, the gradients alone) at
+the V4 layer shapes of examples/benchmark_layer.py, with more calls per batch than the layer
+benchmark, for
 same-lease A/Bs of those kernels: run it once per tree, alternating,
 
     PYTHONPATH=TREE python dev/time_training_pieces.py [--calls 20] [--batches 5]
@@ -46,8 +47,13 @@ def main(argv=None):
         t_tgt = time_call(tgt_fn, (a, idx, lse), args.calls, args.batches)
         t_loss = time_call(loss, largs, args.calls, args.batches)
         t_grad = time_call(grad, largs, args.calls, args.batches)
+        # the backward alone: the VJP of the mean loss, its residuals computed beforehand
+        _, vjp = jax.vjp(lambda q, k, w: loss(q, k, w, idx, tgt), *largs[:3])
+        back = jax.jit(lambda f, ct: f(ct))
+        t_back = time_call(back, (vjp, jnp.ones((), jnp.float32)), args.calls, args.batches)
         print(f"{label} (H {h}, topk {topk}): target {t_tgt * 1e3:.3f} ms, indexer loss "
-              f"{t_loss * 1e3:.3f} ms, loss + gradients {t_grad * 1e3:.3f} ms; checksums "
+              f"{t_loss * 1e3:.3f} ms, loss + gradients {t_grad * 1e3:.3f} ms, gradients "
+              f"alone {t_back * 1e3:.3f} ms; checksums "
               f"target max {float(jnp.max(tgt)):.6f}, loss {float(loss(*largs)):.6f}",
               flush=True)
 
