@@ -1,7 +1,6 @@
 """The attention target and the indexer loss (value, value + gradients, the gradients alone) at
 the V4 layer shapes of examples/benchmark_layer.py, with more calls per batch than the layer
-benchmark, for
-same-lease A/Bs of those kernels: run it once per tree, alternating,
+benchmark, for same-lease A/Bs of those kernels: run it once per tree, alternating,
 
     PYTHONPATH=TREE python dev/time_training_pieces.py [--calls 20] [--batches 5]
 
