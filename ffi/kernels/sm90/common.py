@@ -244,16 +244,6 @@ def red_add_v4_f32_if(pred, ptr, a, b, c, d, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def red_add_v2_f32_if(pred, ptr, a, b, *, loc=None, ip=None):
-    """red.global.add.v2.f32 [ptr], {a, b} under a predicate (pred != 0; ptr 8-byte aligned
-    global memory, not touched when pred is 0)."""
-    _asm("{ .reg .pred p; setp.ne.b32 p, $3, 0; @p red.relaxed.gpu.global.add.v2.f32 [$0], "
-         "{$1, $2}; }", "l,f,f,r",
-         [_ir(ptr, loc, ip)] + _f32s((a, b), loc, ip)
-         + [cutlass.Int32(pred).ir_value(loc=loc, ip=ip)], loc, ip)
-
-
-@dsl_user_op
 def bulk_reduce_add_f32_if(pred, dst_gmem, src_smem, n_bytes: cutlass.Constexpr, *, loc=None,
                            ip=None):
     """cp.reduce.async.bulk ... add.f32: the copy engine adds n_bytes (a multiple of 16; both
