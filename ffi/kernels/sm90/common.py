@@ -254,6 +254,35 @@ def red_add_v2_f32_if(pred, ptr, a, b, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def bulk_reduce_add_f32_if(pred, dst_gmem, src_smem, n_bytes: cutlass.Constexpr, *, loc=None,
+                           ip=None):
+    """cp.reduce.async.bulk ... add.f32: the copy engine adds n_bytes (a multiple of 16; both
+    addresses 16-byte aligned) of fp32 from shared memory src_smem to global memory dst_gmem,
+    under a predicate (pred != 0). The shared-memory side must have been fenced for the async
+    proxy; the copy is tracked by bulk_commit_group / bulk_wait_group_read."""
+    _asm("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.reduce.async.bulk.global.shared::cta"
+         f".bulk_group.add.f32 [$0], [$1], {int(n_bytes)}; }}", "l,r,r,~{memory}",
+         [cutlass.Int64(dst_gmem).ir_value(loc=loc, ip=ip),
+          cutlass.Int32(src_smem).ir_value(loc=loc, ip=ip),
+          cutlass.Int32(pred).ir_value(loc=loc, ip=ip)], loc, ip)
+
+
+@dsl_user_op
+def bulk_commit_group(*, loc=None, ip=None):
+    """cp.async.bulk.commit_group: the thread's bulk copies issued since the last commit form
+    one group."""
+    _asm("cp.async.bulk.commit_group;", "~{memory}", [], loc, ip)
+
+
+@dsl_user_op
+def bulk_wait_group(n: cutlass.Constexpr, read: cutlass.Constexpr, *, loc=None, ip=None):
+    """cp.async.bulk.wait_group[.read] n: all but the thread's n newest bulk groups are complete
+    (read: have finished reading their shared-memory sources)."""
+    _asm(f"cp.async.bulk.wait_group{'.read' if read else ''} {int(n)};", "~{memory}", [],
+         loc, ip)
+
+
+@dsl_user_op
 def st_global_v4_f32_if(pred, ptr, a, b, c, d, *, loc=None, ip=None):
     """st_global_v4_f32 under a predicate (pred != 0), see red_add_v4_f32_if."""
     _v4_f32_if("st.global.v4.f32", pred, ptr, (a, b, c, d), loc, ip)

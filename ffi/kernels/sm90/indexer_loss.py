@@ -45,12 +45,13 @@ import cuda.bindings.driver as cuda
 
 from jax_dsa.cute.constants import INDEXER_DIM as D, INDEXER_LOSS_MAX_K as KMAX
 from .common import (LN_2, LOG2_E, ROW_COPY_THREADS as THREADS, ROW_COPY_TPR as TPR,
-                     acc_mn_view, cp_async_4_zfill, gather_rows_sw128, head_sums,
-                     load_rows_sw128, red_add_v2_f32_if)
+                     acc_mn_view, bulk_commit_group, bulk_reduce_add_f32_if, bulk_wait_group,
+                     cp_async_4_zfill, gather_rows_sw128, head_sums, load_rows_sw128)
 
 BM = 64  # head rows (Hi <= 64, padded)
 BN = 64  # entries per block
 TILE_BYTES = BN * D * 2  # one 64-row tile of k (or of Q): 16 KB
+DK_LD = D + 8  # floats per row of the dk staging tile (544 B: two-way bank conflicts at most)
 
 
 class IndexerLossBwdSm90:
@@ -80,6 +81,7 @@ class IndexerLossBwdSm90:
             sDD: cute.struct.Align[cute.struct.MemRange[dt, BM * BN], 1024]
             sScore: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, KMAX], 16]
             sRow: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * BN], 16]
+            sDK: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BN * DK_LD], 128]
 
         self.kernel(mQ, mK, mW, mIdx, mLen, mSig, mG, mDQ, mDW, mDK, T, Hi, S, K, scale,
                     k_atom.inner, row_layout.outer, dd_layout.outer, rowt_layout.outer,
@@ -149,6 +151,8 @@ class IndexerLossBwdSm90:
         dw_acc = cute.make_rmem_tensor(2, cutlass.Float32)
         dw_acc.fill(0.0)
         dk_addr = mDK.iterator.toint()
+        sDK = storage.sDK.get_tensor(cute.make_layout(BN * DK_LD))
+        dk_smem = storage.sDK.data_ptr().toint()
 
         for blk in cutlass.range(n_blocks, unroll=1):
             st = blk % 2
@@ -167,6 +171,8 @@ class IndexerLossBwdSm90:
             r_dd.store(acc.load().to(dt))
             cute.copy(r2s, r2s.retile(r_dd), r2s.partition_D(sDD))
             cute.arch.fence_proxy("async.shared", space="cta")
+            if tidx < BN:  # the previous block's dk reductions have read the staging tile
+                bulk_wait_group(0, True)
             cute.arch.barrier()
 
             # dq += dd K_blk; drow = dd^T Q (tiled MMAs of this iteration: their accumulate
@@ -191,19 +197,26 @@ class IndexerLossBwdSm90:
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
-            # dk[idx_j] += drow_j (two columns per RED; never at an invalid entry)
+            # dk[idx_j] += drow_j: the rows staged in shared memory, then one 512-byte bulk
+            # reduction per valid entry (thread j < 64 issues entry j's; never at an invalid one)
             K_mn = acc_mn_view(acc_dk)
             for r in cutlass.range_constexpr(cute.size(tCcK, mode=[0])):
-                entry = sRow[st * BN + tCcK[r, 0][0]]
-                ok = entry >= 0
-                base = dk_addr + ((k_batch + cutlass.Int64(cutlass.select_(
-                    ok, entry, cutlass.Int32(0)))) * cutlass.Int64(D)) * 4
-                for c in cutlass.range_constexpr(cute.size(tCcK, mode=[1]) // 2):
-                    col = tCcK[r, 2 * c][1]
-                    red_add_v2_f32_if(cutlass.Int32(ok), base + cutlass.Int64(col) * 4,
-                                      K_mn[r, 2 * c], K_mn[r, 2 * c + 1])
-            cute.arch.barrier()  # the dd tile, the stage and sRow are free again
+                for c in cutlass.range_constexpr(cute.size(tCcK, mode=[1])):
+                    sDK[tCcK[r, c][0] * DK_LD + tCcK[r, c][1]] = K_mn[r, c]
+            cute.arch.fence_proxy("async.shared", space="cta")
+            entry = cutlass.Int32(-1)
+            if tidx < BN:
+                entry = sRow[st * BN + tidx]
+            cute.arch.barrier()  # the staging tile is written; the dd tile, the stage, sRow free
+            if tidx < BN:
+                bulk_reduce_add_f32_if(
+                    cutlass.Int32(entry >= 0),
+                    dk_addr + (k_batch + cutlass.Int64(cutlass.max(entry, 0))) * (D * 4),
+                    dk_smem + tidx * (DK_LD * 4), D * 4)
+                bulk_commit_group()
         cute.arch.cp_async_wait_group(0)
+        if tidx < BN:
+            bulk_wait_group(0, False)
 
         # ---- dw (the quad's four partial sums) and dq ----
         for r in cutlass.range_constexpr(2):
