@@ -2,13 +2,16 @@
 // by ffi/build.py as jax_dsa_indexer_loss_{fwd,bwd}_<dtype>, listed in JAX_DSA_LOSS_FWD_SPECS
 // and JAX_DSA_LOSS_BWD_SPECS). Common args: q [B, T, Hi, 128] bf16/f16, k [B, S, 128] (dtype
 // of q), w [B, T, Hi] f32, idx [B, T, K] int32 (K <= kIndexerLossMaxK), topk_length [B, T]
-// int32, target [B, T, K] f32; attr scale (f32).
+// int32; attr scale (f32).
 //
 // JaxDsaIndexerLossFwdSm90: the per-token KL(target || softmax of the selected indexer scores).
-//   rets:  kl [B, T] f32
+//   args:  (common), target [B, T, K] f32
+//   rets:  kl [B, T] f32, signal [B, T, K] f32 (per entry: p_j sum(target) - target_j, 0 at
+//          the invalid entries; the backward's input)
 //
 // JaxDsaIndexerLossBwdSm90: dq, dweights and dk of sum_t g_t KL_t.
-//   args:  (common), g [B, T] f32 (the per-token KL's cotangent)
+//   args:  (common), signal [B, T, K] f32 (the forward's), g [B, T] f32 (the per-token KL's
+//          cotangent)
 //   rets:  dq [B, T, Hi, 128] f32, dw [B, T, Hi] f32, dk [B, S, 128] f32 (zero-filled here,
 //          then added to by the kernel)
 
@@ -24,10 +27,11 @@ namespace ffi = xla::ffi;
 namespace jax_dsa {
 namespace {
 
-// Every tensor the two kernels may take (the forward's kl rides in `out`); extents as the
-// exported wrappers want them.
+// Every tensor the two kernels may take (`entries`: the per-entry float32 input, the target
+// of the forward or the signal of the backward; the forward's kl rides in `out` and its
+// signal in `signal`); extents as the exported wrappers want them.
 struct LossArgs {
-  void *q, *k, *w, *idx, *len, *target, *g, *dq, *dw, *dk, *out;
+  void *q, *k, *w, *idx, *len, *entries, *signal, *g, *dq, *dw, *dk, *out;
   int64_t rows_q, rows_k, n_idx, n_tok, n_dq;
   int32_t B, T, Hi, S, K;
   float scale;
@@ -41,10 +45,11 @@ struct LossArgs {
       PREFIX##_Tensor_mW_t w{a.w, {a.rows_q}};                                             \
       PREFIX##_Tensor_mIdx_t idx{a.idx, {a.n_idx}};                                        \
       PREFIX##_Tensor_mLen_t len{a.len, {a.n_tok}};                                        \
-      PREFIX##_Tensor_mTarget_t target{a.target, {a.n_idx}};                               \
+      PREFIX##_Tensor_mTarget_t target{a.entries, {a.n_idx}};                              \
       PREFIX##_Tensor_mKL_t kl{a.out, {a.n_tok}};                                          \
+      PREFIX##_Tensor_mSig_t sig{a.signal, {a.n_idx}};                                     \
       return cute_dsl_##PREFIX##_wrapper(&module(), &q, &k, &w, &idx, &len, &target, &kl,  \
-                                         a.B, a.T, a.Hi, a.S, a.K, a.scale, s);            \
+                                         &sig, a.B, a.T, a.Hi, a.S, a.K, a.scale, s);      \
     }                                                                                      \
   };
 JAX_DSA_LOSS_FWD_SPECS(JAX_DSA_LOSS_FWD_SPEC)
@@ -58,13 +63,14 @@ JAX_DSA_LOSS_FWD_SPECS(JAX_DSA_LOSS_FWD_SPEC)
       PREFIX##_Tensor_mW_t w{a.w, {a.rows_q}};                                               \
       PREFIX##_Tensor_mIdx_t idx{a.idx, {a.n_idx}};                                          \
       PREFIX##_Tensor_mLen_t len{a.len, {a.n_tok}};                                          \
-      PREFIX##_Tensor_mTarget_t target{a.target, {a.n_idx}};                                 \
+      PREFIX##_Tensor_mSig_t sig{a.entries, {a.n_idx}};                                      \
       PREFIX##_Tensor_mG_t g{a.g, {a.n_tok}};                                                \
       PREFIX##_Tensor_mDQ_t dq{a.dq, {a.n_dq}};                                              \
       PREFIX##_Tensor_mDW_t dw{a.dw, {a.rows_q}};                                            \
       PREFIX##_Tensor_mDK_t dk{a.dk, {a.rows_k}};                                            \
-      return cute_dsl_##PREFIX##_wrapper(&module(), &q, &k, &w, &idx, &len, &target, &g, &dq, \
-                                         &dw, &dk, a.B, a.T, a.Hi, a.S, a.K, a.scale, s);    \
+      return cute_dsl_##PREFIX##_wrapper(&module(), &q, &k, &w, &idx, &len, &sig, &g, &dq,  \
+                                         &dw, &dk, a.B, a.T, a.Hi, a.S, a.K,                 \
+                                         a.scale, s);                                        \
     }                                                                                        \
   };
 JAX_DSA_LOSS_BWD_SPECS(JAX_DSA_LOSS_BWD_SPEC)
@@ -81,11 +87,12 @@ KernelTable<LossArgs>& LossBwdKernels() {
 }
 
 // Checks the inputs both handlers take and fills the common part of `a` (pointers, extents,
-// scale); returns the message for ffi::Error, or an empty string.
+// scale); `entries` is the per-entry float32 input called `name` (target or signal). Returns
+// the message for ffi::Error, or an empty string.
 std::string CheckInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                         const ffi::AnyBuffer& w, const ffi::AnyBuffer& idx,
-                        const ffi::AnyBuffer& topk_length, const ffi::AnyBuffer& target,
-                        float scale, LossArgs* a) {
+                        const ffi::AnyBuffer& topk_length, const ffi::AnyBuffer& entries,
+                        const char* name, float scale, LossArgs* a) {
   auto qd = q.dimensions(), kd = k.dimensions(), id = idx.dimensions();
   const auto dt = q.element_type();
   if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16)
@@ -109,8 +116,8 @@ std::string CheckInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   if (topk_length.element_type() != ffi::DataType::S32 ||
       !HasDims(topk_length.dimensions(), {B, T}))
     return "topk_length must be int32 [B, T], got " + Dims(topk_length.dimensions());
-  if (target.element_type() != ffi::DataType::F32 || !HasDims(target.dimensions(), {B, T, K}))
-    return "target must be float32 [B, T, K], got " + Dims(target.dimensions());
+  if (entries.element_type() != ffi::DataType::F32 || !HasDims(entries.dimensions(), {B, T, K}))
+    return std::string(name) + " must be float32 [B, T, K], got " + Dims(entries.dimensions());
   // Kernel scalars are int32; the flattened token b * T + t is the grid's x index.
   if (B * T > INT32_MAX || S > INT32_MAX || B > 65535)
     return "need B * T, S < 2^31 and B <= 65535";
@@ -119,7 +126,7 @@ std::string CheckInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   a->w = w.untyped_data();
   a->idx = idx.untyped_data();
   a->len = topk_length.untyped_data();
-  a->target = target.untyped_data();
+  a->entries = entries.untyped_data();
   a->rows_q = B * T * Hi;
   a->rows_k = B * S;
   a->n_idx = B * T * K;
@@ -169,12 +176,15 @@ ffi::Error FindKernel(KernelTable<LossArgs>& table, const char* part, ffi::DataT
 ffi::Error IndexerLossFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                           ffi::AnyBuffer k, ffi::AnyBuffer w, ffi::AnyBuffer idx,
                           ffi::AnyBuffer topk_length, ffi::AnyBuffer target, float scale,
-                          ffi::Result<ffi::AnyBuffer> kl) {
+                          ffi::Result<ffi::AnyBuffer> kl, ffi::Result<ffi::AnyBuffer> signal) {
   LossArgs a{};
-  std::string msg = CheckInputs(q, k, w, idx, topk_length, target, scale, &a);
+  std::string msg = CheckInputs(q, k, w, idx, topk_length, target, "target", scale, &a);
   if (msg.empty() && (kl->element_type() != ffi::DataType::F32 ||
                       !HasDims(kl->dimensions(), {a.B, a.T})))
     msg = "kl must be float32 [B, T], got " + Dims(kl->dimensions());
+  if (msg.empty() && (signal->element_type() != ffi::DataType::F32 ||
+                      !HasDims(signal->dimensions(), {a.B, a.T, a.K})))
+    msg = "signal must be float32 [B, T, K], got " + Dims(signal->dimensions());
   if (!msg.empty()) return ffi::Error::InvalidArgument("jax_dsa indexer_loss: " + msg);
   if (a.n_tok == 0) return ffi::Error::Success();
   DeviceGuard guard(device);
@@ -183,16 +193,18 @@ ffi::Error IndexerLossFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
   ffi::Error found = FindKernel(LossFwdKernels(), "fwd", q.element_type(), &launch);
   if (found.failure()) return found;
   a.out = kl->untyped_data();
+  a.signal = signal->untyped_data();
   return LaunchStatus("indexer_loss", launch(a, stream));
 }
 
 ffi::Error IndexerLossBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                           ffi::AnyBuffer k, ffi::AnyBuffer w, ffi::AnyBuffer idx,
-                          ffi::AnyBuffer topk_length, ffi::AnyBuffer target, ffi::AnyBuffer g,
-                          float scale, ffi::Result<ffi::AnyBuffer> dq,
+                          ffi::AnyBuffer topk_length, ffi::AnyBuffer signal,
+                          ffi::AnyBuffer g, float scale,
+                          ffi::Result<ffi::AnyBuffer> dq,
                           ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> dk) {
   LossArgs a{};
-  std::string msg = CheckInputs(q, k, w, idx, topk_length, target, scale, &a);
+  std::string msg = CheckInputs(q, k, w, idx, topk_length, signal, "signal", scale, &a);
   if (msg.empty()) msg = CheckGradients(g, *dq, *dw, *dk, a);
   if (!msg.empty())
     return ffi::Error::InvalidArgument("jax_dsa indexer_loss backward: " + msg);
@@ -224,7 +236,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaIndexerLossFwdSm90, jax_dsa::IndexerLossFwd,
                                   .Arg<ffi::AnyBuffer>()  // topk_length
                                   .Arg<ffi::AnyBuffer>()  // target
                                   .Attr<float>("scale")
-                                  .Ret<ffi::AnyBuffer>(),  // kl
+                                  .Ret<ffi::AnyBuffer>()   // kl
+                                  .Ret<ffi::AnyBuffer>(),  // signal
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaIndexerLossBwdSm90, jax_dsa::IndexerLossBwd,
@@ -236,7 +249,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaIndexerLossBwdSm90, jax_dsa::IndexerLossBwd,
                                   .Arg<ffi::AnyBuffer>()  // w
                                   .Arg<ffi::AnyBuffer>()  // idx
                                   .Arg<ffi::AnyBuffer>()  // topk_length
-                                  .Arg<ffi::AnyBuffer>()  // target
+                                  .Arg<ffi::AnyBuffer>()  // signal
                                   .Arg<ffi::AnyBuffer>()  // g
                                   .Attr<float>("scale")
                                   .Ret<ffi::AnyBuffer>()   // dq

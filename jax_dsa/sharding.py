@@ -41,9 +41,10 @@ _REPLICATED_FACTORS2 = ("d", "s", "k", "r", "n", "v")  # in order of appearance
 _INDEXER_RULE = "b t h d, b s d, b t h, b t -> b t n, b t n"
 # The attention target's mass: q, kv, idx, topk_length, off [b t h] -> mass summed over heads.
 _MASS_RULE = "b t h d, b s d, b t k, b t, b t h -> b t k"
-# The indexer loss: q, k, weights, idx, topk_length, target [b t k] -> KL per token; the
-# backward adds the cotangent g [b t] and returns dq, dk (fp32), dweights.
-_LOSS_FWD_RULE = "b t h d, b s d, b t h, b t k, b t, b t k -> b t"
+# The indexer loss: q, k, weights, idx, topk_length, target [b t k] -> KL per token and the
+# per-entry signal [b t k]; the backward takes the signal in the target's place and the
+# cotangent g [b t], and returns dq, dk (fp32), dweights.
+_LOSS_FWD_RULE = "b t h d, b s d, b t h, b t k, b t, b t k -> b t, b t k"
 _LOSS_BWD_RULE = "b t h d, b s d, b t h, b t k, b t, b t k, b t -> b t h d, b s d, b t h"
 
 
@@ -269,16 +270,17 @@ def _loss_specs(arg_shapes):
 
 
 def make_indexer_loss_fwd(local: Callable):
-    """Partitioned, vmappable (q, k, weights, idx, topk_length, target) -> (KL [B, T],)."""
+    """Partitioned, vmappable (q, k, weights, idx, topk_length, target) -> (KL [B, T],
+    signal [B, T, K])."""
     def specs(arg_shapes):
         b, t, _ = _q_layout(arg_shapes)
-        return _loss_specs(arg_shapes), (P(b, t),)
+        return _loss_specs(arg_shapes), (P(b, t), P(b, t, None))
 
-    return _partitioned(local, _LOSS_FWD_RULE, ("h", "d", "s", "k"), specs, None, 1)
+    return _partitioned(local, _LOSS_FWD_RULE, ("h", "d", "s", "k"), specs, None, 2)
 
 
 def make_indexer_loss_bwd(local: Callable):
-    """Partitioned, vmappable (q, k, weights, idx, topk_length, target, g) ->
+    """Partitioned, vmappable (q, k, weights, idx, topk_length, signal, g) ->
     (dq, dk fp32, dweights): dk is summed over token shards."""
     def specs(arg_shapes):
         b, t, _ = _q_layout(arg_shapes)

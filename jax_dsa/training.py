@@ -189,7 +189,8 @@ def _selected(q_, k, w_, i_, l_, scale):
 
 
 def _kl_terms(score, valid, target):
-    """(per-token KL [B, c], softmax [B, c, K]) over the valid entries."""
+    """(per-token KL [B, c], signal [B, c, K]) over the valid entries; signal: d KL / d score,
+    p_j * sum(target) - target_j (0 at the invalid entries)."""
     m = jnp.max(score, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     e = jnp.where(valid, jnp.exp(score - m), 0.0)
@@ -198,26 +199,27 @@ def _kl_terms(score, valid, target):
     tgt = jnp.where(valid, target.astype(score.dtype), 0.0)
     xlogx = jnp.where(tgt > 0, tgt * jnp.log(jnp.where(tgt > 0, tgt, 1.0)), 0.0)
     kl = jnp.sum(xlogx - tgt * log_p, axis=-1)
-    return kl, e / jnp.where(z > 0, z, 1.0)
+    p = e / jnp.where(z > 0, z, 1.0)
+    signal = jnp.where(valid, p * jnp.sum(tgt, axis=-1, keepdims=True) - tgt, 0.0)
+    return kl, signal
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
 def _kl(q, k, w, idx, tl, target, scale, deterministic, impl):
     """Per-token KL [B, T]."""
-    (kl,) = _loss_fwd_op(scale, impl)(q, k, w, idx, tl, target)
-    return kl
+    return _loss_fwd_op(scale, impl)(q, k, w, idx, tl, target)[0]
 
 
 def _kl_fwd(q, k, w, idx, tl, target, scale, deterministic, impl):
-    return (_kl(q, k, w, idx, tl, target, scale, deterministic, impl),
-            (q, k, w, idx, tl, target))
+    kl, signal = _loss_fwd_op(scale, impl)(q, k, w, idx, tl, target)
+    return kl, (q, k, w, idx, tl, signal)
 
 
 def _kl_bwd(scale, deterministic, impl, res, g):
-    q, k, w, idx, tl, target = res
+    q, k, w, idx, tl, signal = res
     # The kernel adds dk by atomics: the deterministic gradients come from the reference.
     dq, dk, dw = _loss_bwd_op(scale, "xla" if deterministic else impl, deterministic)(
-        q, k, w, idx, tl, target, g)
+        q, k, w, idx, tl, signal, g)
     return dq.astype(q.dtype), dk.astype(k.dtype), dw.astype(w.dtype), None, None, None
 
 
@@ -226,20 +228,21 @@ _kl.defvjp(_kl_fwd, _kl_bwd)
 
 @functools.lru_cache(maxsize=None)
 def _loss_fwd_op(scale, impl):
-    """(q, k, w, idx, tl, target) -> (KL [B, T],), jitted and partitioned."""
+    """(q, k, w, idx, tl, target) -> (KL [B, T], signal [B, T, K]: d KL / d score, which the
+    backward takes), jitted and partitioned."""
     def kernel(*args):
         from jax_dsa.cute import indexer_loss as cute_loss
-        return (cute_loss.forward(*args, scale),)
+        return cute_loss.forward(*args, scale)
 
     def local(*args):
-        return api.dispatch(impl, lambda *a: (reference_kl(*a, scale),), kernel, *args)
+        return api.dispatch(impl, lambda *a: reference_kl(*a, scale), kernel, *args)
 
     return jax.jit(sharding.make_indexer_loss_fwd(local))
 
 
 @functools.lru_cache(maxsize=None)
 def _loss_bwd_op(scale, impl, deterministic):
-    """(q, k, w, idx, tl, target, g) -> (dq, dk, dw) in the accumulation dtype (float32;
+    """(q, k, w, idx, tl, signal, g) -> (dq, dk, dw) in the accumulation dtype (float32;
     float64 for float64 inputs), jitted and partitioned (dk summed over token shards)."""
     def kernel(*args):
         from jax_dsa.cute import indexer_loss as cute_loss
@@ -253,31 +256,32 @@ def _loss_bwd_op(scale, impl, deterministic):
 
 
 def reference_kl(q, k, w, idx, tl, target, scale):
-    """The reference's per-token KL [B, T], in token chunks."""
+    """The reference's (per-token KL [B, T], signal [B, T, K]: d KL / d score), in token
+    chunks."""
     (qc, wc, ic, lc, tc), pad = _token_chunks(q, idx, q, w, idx, tl, target)
 
     def one_chunk(args):
         q_, w_, i_, l_, t_ = args
         valid, _, _, score = _selected(q_, k, w_, i_, l_, scale)
-        return _kl_terms(score, valid, t_)[0]
+        return _kl_terms(score, valid, t_)
 
-    return reference._merge(lax.map(one_chunk, (qc, wc, ic, lc, tc)), pad)
+    kl, signal = lax.map(one_chunk, (qc, wc, ic, lc, tc))
+    return reference._merge(kl, pad), reference._merge(signal, pad)
 
 
-def reference_kl_grads(q, k, w, idx, tl, target, g, scale, deterministic=False):
-    """The reference's (dq, dk, dw) of sum_t g[b, t] KL_t, in the accumulation dtype:
-    d KL_t / d score_j = p_j * sum(target) - target_j, then through the weighted ReLU."""
+def reference_kl_grads(q, k, w, idx, tl, signal, g, scale, deterministic=False):
+    """The reference's (dq, dk, dw) of sum_t g[b, t] KL_t, in the accumulation dtype: from
+    the forward's signal d KL_t / d score_j = p_j * sum(target) - target_j (as the kernel
+    takes it) through the weighted ReLU."""
     b, t, h, d = q.shape
     s_rows = k.shape[1]
     acc = reference.acc_dtype(q.dtype)
-    (qc, wc, ic, lc, tc, gc), pad = _token_chunks(q, idx, q, w, idx, tl, target, g)
+    (qc, wc, ic, lc, sc, gc), pad = _token_chunks(q, idx, q, w, idx, tl, signal, g)
 
     def one_chunk(dk_acc, args):
-        q_, w_, i_, l_, t_, g_ = args
-        valid, rows, dots, score = _selected(q_, k, w_, i_, l_, scale)
-        _, p = _kl_terms(score, valid, t_)
-        tgt = jnp.where(valid, t_.astype(acc), 0.0)
-        dscore = g_.astype(acc)[..., None] * (p * jnp.sum(tgt, -1, keepdims=True) - tgt)
+        q_, w_, i_, l_, s_, g_ = args
+        valid, rows, dots, _ = _selected(q_, k, w_, i_, l_, scale)
+        dscore = g_.astype(acc)[..., None] * s_.astype(acc)
         dscore = jnp.where(valid, dscore, 0.0)  # [B, c, K]
         active = (dots > 0).astype(acc)  # ReLU'
         dw = jnp.einsum("btk,bthk->bth", dscore, jnp.maximum(dots, 0.0), precision=_HIGHEST)
@@ -291,5 +295,5 @@ def reference_kl_grads(q, k, w, idx, tl, target, g, scale, deterministic=False):
         return dk_acc, (dq, dw)
 
     dk0 = reference.varying_like(jnp.zeros((b, s_rows, d), acc), q, idx, g)
-    dk, (dq, dw) = lax.scan(one_chunk, dk0, (qc, wc, ic, lc, tc, gc))
+    dk, (dq, dw) = lax.scan(one_chunk, dk0, (qc, wc, ic, lc, sc, gc))
     return reference._merge(dq, pad), dk, reference._merge(dw, pad)

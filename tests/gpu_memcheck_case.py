@@ -147,8 +147,9 @@ for h, k_, s in ((7, 70, 90), (64, 200, 3000)):
     idx = jnp.asarray(rng.integers(-40, s + 40, (2, t, k_)).astype(np.int32))
     tl = jnp.asarray(rng.integers(0, k_ + 1, (2, t)).astype(np.int32))
     tgt = jnp.asarray(rng.random((2, t, k_)), jnp.float32)
-    grads = indexer_loss.backward(q, k, w, idx, tl, tgt, jnp.ones((2, t), jnp.float32), 0.1)
-    kl = indexer_loss.forward(q, k, w, idx, tl, tgt, 0.1)
+    kl, signal = indexer_loss.forward(q, k, w, idx, tl, tgt, 0.1)
+    grads = indexer_loss.backward(q, k, w, idx, tl, signal, jnp.ones((2, t), jnp.float32),
+                                  0.1)
     jax.block_until_ready((grads, kl))
     assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in grads + (kl,))
     print(f"indexer loss H={h} K={k_} S={s}: ok")

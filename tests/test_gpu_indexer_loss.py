@@ -60,9 +60,10 @@ def test_indexer_loss_kernel_matches_the_oracle(case, dtype):
     b, t, h, s, k, scale = case
     q, kk, w, idx, lengths, target, g = _problem(np.random.default_rng(h + k), b, t, h, s, k,
                                                  dtype)
-    dq, dk, dw = indexer_loss.backward(jnp.asarray(q, dtype), jnp.asarray(kk, dtype),
-                                       jnp.asarray(w), jnp.asarray(idx), jnp.asarray(lengths),
-                                       jnp.asarray(target), jnp.asarray(g), scale)
+    args = (jnp.asarray(q, dtype), jnp.asarray(kk, dtype), jnp.asarray(w), jnp.asarray(idx),
+            jnp.asarray(lengths), jnp.asarray(target))
+    kl, signal = indexer_loss.forward(*args, scale)
+    dq, dk, dw = indexer_loss.backward(*args[:5], signal, jnp.asarray(g), scale)
     want_dq, want_dk, want_dw = indexer_loss_grads(q, kk, w, idx, lengths, target, g, scale)
     # dq, dk in the inputs' dtype: one rounding of an fp32-accurate result
     tol = 1e-2 if dtype == jnp.bfloat16 else 2e-3
@@ -78,9 +79,26 @@ def test_indexer_loss_kernel_matches_the_oracle(case, dtype):
                 if 0 <= idx[bi, ti, j] < s:
                     listed[bi, idx[bi, ti, j]] = True
     np.testing.assert_array_equal(np.asarray(dk, np.float32)[~listed], 0)
-    kl = np.asarray(indexer_loss.forward(jnp.asarray(q, dtype), jnp.asarray(kk, dtype),
-                                         jnp.asarray(w), jnp.asarray(idx),
-                                         jnp.asarray(lengths), jnp.asarray(target), scale))
+    kl = np.asarray(kl)
+    # the signal d KL / d score_j = p_j sum(target) - target_j (oracle in float64), exactly 0
+    # at every invalid entry and past topk_length
+    sig = np.asarray(signal)
+    assert sig.shape == idx.shape
+    for bi in range(b):
+        for ti in range(t):
+            ok = [j for j in range(min(lengths[bi, ti], k)) if 0 <= idx[bi, ti, j] < s]
+            rest = np.setdiff1d(np.arange(k), ok)
+            np.testing.assert_array_equal(sig[bi, ti, rest], 0)
+            if not ok:
+                continue
+            rows = kk[bi, idx[bi, ti, ok]].astype(np.float64)
+            a = scale * q[bi, ti].astype(np.float64) @ rows.T  # [Hi, n]
+            sc = (np.maximum(a, 0) * w[bi, ti, :, None]).sum(0)
+            p = np.exp(sc - sc.max())
+            p /= p.sum()
+            tg = target[bi, ti, ok].astype(np.float64)
+            np.testing.assert_allclose(sig[bi, ti, ok], p * tg.sum() - tg, rtol=1e-3,
+                                       atol=1e-5)
     want_kl = indexer_kl(q, kk, w, idx, lengths, target, scale)
     np.testing.assert_allclose(kl, want_kl, rtol=1e-3, atol=1e-5)
     assert kl[0, 0] == 0  # the dead token

@@ -200,18 +200,20 @@ def test_target_kernel_path_with_an_emulated_kernel(monkeypatch, sink, topk, h):
     indexer_loss._mass_op.cache_clear()
 
 
-def emulated_loss_kernel(q, k, w, idx, topk_length, target, g, *, scale):
+def emulated_loss_kernel(q, k, w, idx, topk_length, signal, g, *, scale):
     """The loss kernel's contract in jnp (ffi.indexer_loss_bwd): float32 (dq, dw, dk) of
-    sum_t g_t KL_t, dk added only at valid entries."""
+    sum_t g_t KL_t, dk added only at valid entries, from the forward's signal (dscore =
+    g signal), as the reference computes them."""
     from jax_dsa.training import reference_kl_grads
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    dq, dk, dw = reference_kl_grads(f32(q), f32(k), f32(w), idx, topk_length, f32(target),
+    dq, dk, dw = reference_kl_grads(f32(q), f32(k), f32(w), idx, topk_length, f32(signal),
                                     f32(g), scale)
     return dq, dw, dk
 
 
 def emulated_loss_fwd_kernel(q, k, w, idx, topk_length, target, *, scale):
-    """The loss kernel's forward contract in jnp (ffi.indexer_loss_fwd): the per-token KL."""
+    """The loss kernel's forward contract in jnp (ffi.indexer_loss_fwd): the per-token KL and
+    the per-entry signal p_j sum(target) - target_j (0 at invalid entries)."""
     from jax_dsa.training import reference_kl
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     return reference_kl(f32(q), f32(k), f32(w), idx, topk_length, f32(target), scale)

@@ -348,25 +348,28 @@ def attention_mass(q, kv, idx, topk_length, off, *, scale, poison_outputs=False)
 
 
 def indexer_loss_fwd(q, k, w, idx, topk_length, target, *, scale):
-    """The per-token KL [B, T] float32 of jax_dsa.indexer_loss on the loss kernel
-    (ffi/indexer_loss.cc); arguments as indexer_loss_bwd's."""
+    """(The per-token KL [B, T], signal [B, T, K]: p_j sum(target) - target_j per entry, 0 at
+    the invalid ones), float32, of jax_dsa.indexer_loss on the loss kernel
+    (ffi/indexer_loss.cc); target [B, T, K], the other arguments as indexer_loss_bwd's."""
     B, T = q.shape[:2]
-    out = jax.ShapeDtypeStruct((B, T), jnp.float32)
+    out = (jax.ShapeDtypeStruct((B, T), jnp.float32),
+           jax.ShapeDtypeStruct(idx.shape, jnp.float32))
     return _call("jax_dsa_indexer_loss_fwd_sm90", out, q, k, _f32(w), _i32(idx),
                  _i32(topk_length), _f32(target), scale=np.float32(scale))
 
 
-def indexer_loss_bwd(q, k, w, idx, topk_length, target, g, *, scale):
+def indexer_loss_bwd(q, k, w, idx, topk_length, signal, g, *, scale):
     """(dq [B, T, Hi, 128], dw [B, T, Hi], dk [B, S, 128]), all float32: the gradients of
     sum_t g[b, t] KL_t of jax_dsa.indexer_loss on the loss kernel (ffi/indexer_loss.cc).
 
     q [B, T, Hi, 128] bf16/f16 (Hi <= 64), k [B, S, 128] (q's dtype), w [B, T, Hi], idx
-    [B, T, K] int32 (K <= INDEXER_LOSS_MAX_K), topk_length [B, T] int32, target [B, T, K],
-    g [B, T] (cast to float32), scale: Python float.
+    [B, T, K] int32 (K <= INDEXER_LOSS_MAX_K), topk_length [B, T] int32, signal [B, T, K]
+    (indexer_loss_fwd's), g [B, T] (cast to float32), scale: Python float.
     """
     B, T, H, D = q.shape
     out = (jax.ShapeDtypeStruct((B, T, H, D), jnp.float32),
            jax.ShapeDtypeStruct((B, T, H), jnp.float32),
            jax.ShapeDtypeStruct(k.shape, jnp.float32))
     return _call("jax_dsa_indexer_loss_bwd_sm90", out, q, k, _f32(w), _i32(idx),
-                 _i32(topk_length), _f32(target), _f32(g), scale=np.float32(scale))
+                 _i32(topk_length), _f32(signal), _f32(g),
+                 scale=np.float32(scale))

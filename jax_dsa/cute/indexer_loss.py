@@ -2,10 +2,11 @@
 
 Inputs are canonical (jax_dsa/indexer_loss.py): q [B, T, Hi, 128] bf16/f16 with Hi <= 64, k
 [B, S, 128], weights [B, T, Hi], idx [B, T, K] int32 with K <= INDEXER_LOSS_MAX_K, topk_length
-[B, T], target [B, T, K] (and for the backward the per-token cotangent g [B, T]). One CTA per
-token recomputes the selected scores and their softmax; the forward writes the token's KL, the
-backward dq and dweights and adds dk (fp32 atomics, never at an invalid entry); no
-[B, T, Hi, K] array is formed.
+[B, T], target [B, T, K] (the backward: the forward's signal in its place, and the per-token
+cotangent g [B, T]). One CTA per token recomputes the selected scores; the forward writes the
+token's KL and each entry's signal p_j sum(target) - target_j (d KL / d score_j), the backward,
+one pass over the list with it, dq and dweights and adds dk (fp32 atomics, never at an invalid
+entry); no [B, T, Hi, K] array is formed.
 """
 from __future__ import annotations
 
@@ -32,11 +33,11 @@ def shape_problem(q, k, idx) -> str | None:
 
 
 def forward(q, k, w, idx, topk_length, target, scale):
-    """The per-token KL [B, T] float32."""
+    """(The per-token KL [B, T], the signal [B, T, K] for `backward`), float32."""
     return ffi.indexer_loss_fwd(q, k, w, idx, topk_length, target, scale=scale)
 
 
-def backward(q, k, w, idx, topk_length, target, g, scale):
-    """(dq, dk, dweights), float32, of sum_t g[b, t] KL_t."""
-    dq, dw, dk = ffi.indexer_loss_bwd(q, k, w, idx, topk_length, target, g, scale=scale)
+def backward(q, k, w, idx, topk_length, signal, g, scale):
+    """(dq, dk, dweights), float32, of sum_t g[b, t] KL_t; signal: forward's."""
+    dq, dw, dk = ffi.indexer_loss_bwd(q, k, w, idx, topk_length, signal, g, scale=scale)
     return dq, dk, dw

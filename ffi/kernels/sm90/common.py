@@ -249,7 +249,7 @@ def bulk_reduce_add_f32_if(pred, dst_gmem, src_smem, n_bytes: cutlass.Constexpr,
     """cp.reduce.async.bulk ... add.f32: the copy engine adds n_bytes (a multiple of 16; both
     addresses 16-byte aligned) of fp32 from shared memory src_smem to global memory dst_gmem,
     under a predicate (pred != 0). The shared-memory side must have been fenced for the async
-    proxy; the copy is tracked by bulk_commit_group / bulk_wait_group_read."""
+    proxy; the copy is tracked by bulk_commit_group / bulk_wait_group."""
     _asm("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.reduce.async.bulk.global.shared::cta"
          f".bulk_group.add.f32 [$0], [$1], {int(n_bytes)}; }}", "l,r,r,~{memory}",
          [cutlass.Int64(dst_gmem).ir_value(loc=loc, ip=ip),

@@ -1,41 +1,40 @@
-"""The indexer loss for sm_90a: the per-token KL(target || softmax_j score_j) (forward) and
-its dq, dweights and dk (backward), from q, k, w, the selection and the target (no
-[B, T, Hi, K] array in HBM).
+"""The indexer loss for sm_90a: the per-token KL(target || softmax_j score_j) and each entry's
+gradient signal (forward), and dq, dweights and dk from the signal (backward), from q, k, w and
+the selection (no [B, T, Hi, K] array in HBM).
 
     a[h, j]  = scale * q[b, t, h] . k[b, idx_j]          score_j = sum_h w_h ReLU(a[h, j])
-    dscore_j = g_t (p_j sum_i target_i - target_j)       p = softmax over the valid entries
-    dw_h     = sum_j dscore_j ReLU(a[h, j])
-    dd[h, j] = scale [a[h, j] > 0] dscore_j w_h
+    signal_j = p_j sum_i target_i - target_j             p = softmax over the valid entries
+    dw_h     = g_t sum_j signal_j ReLU(a[h, j])          (g_t: the KL's cotangent)
+    dd[h, j] = g_t scale [a[h, j] > 0] signal_j w_h
     dq[h]    = sum_j dd[h, j] k[idx_j]                   dk[idx_j] += sum_h dd[h, j] q[h]
 
 An entry is valid when j < min(K, topk_length) and 0 <= idx_j < S; invalid entries take no
 part and their rows of k are never read or written. Layouts (flattened row-major): q
 (B*T*Hi, 128), k (B*S, 128), w (B*T*Hi,) f32, idx (B*T*K,) int32, topk_length (B*T,) int32,
-target (B*T*K,) f32, g (B*T,) f32; outputs dq (B*T*Hi*128,) f32, dw (B*T*Hi,) f32 and
-dk (B*S, 128) f32, which the kernel adds to (the handler zero-fills it first).
+target and signal (B*T*K,) f32, kl and g (B*T,) f32; backward outputs dq (B*T*Hi*128,) f32, dw
+(B*T*Hi,) f32 and dk (B*S, 128) f32, which the kernel adds to (the handler zero-fills it).
 
 Grid (B*T): one CTA per token, 128 threads = one warpgroup; K <= INDEXER_LOSS_MAX_K. Q (the
 token's Hi <= 64 head rows, zero rows above Hi) goes to shared memory once; the list is walked
-twice in blocks of 64 entries, each block's rows of k gathered by 16-byte cp.async through a
-two-stage ring (invalid entries: zero rows that read nothing):
-  1. S = Q K^T (wgmma 64 x 64 x 16), score_j summed over the heads (each thread's two rows,
-     the 8 lanes holding the same columns, the 4 warps through shared memory) into a
-     shared-memory row of K scores (-inf at invalid entries);
-  then the softmax over the row and dscore in place (block reductions);
-  2. S again; dw accumulated in registers; dd rounded once to the inputs' dtype into a
-     shared-memory tile (as the attention backward rounds dS); dq += dd K_blk (wgmma, A =
-     the dd tile, B = an MN-major view of the gathered rows) stays in registers for the
-     whole list; drow = dd^T Q (A = an MN-major view of the dd tile, B = an MN-major view
-     of Q) is staged in shared memory (rows of 544 B) and added to dk[idx_j] by one 512-byte
-     bulk reduction per valid entry (cp.reduce.async.bulk add.f32, issued by thread j of
-     the block, never at an invalid entry; whole rows: narrow REDs straight from the
-     accumulator, 32 bytes of 8 rows per warp instruction, bound the kernel), waited for
-     before the next block rewrites the staging tile.
-Shared memory: Q 16 KB + 2 x 16 KB ring + 8 KB dd tile + 34 KB dk staging + 4 x K bytes of
-scores (~106 KB at K = 4096: two CTAs per SM).
-
-The forward (IndexerLossFwdSm90) runs pass 1 and the softmax statistics only and writes one KL
-per token (kl (B*T,) f32 instead of g and the gradients).
+once in blocks of 64 entries, each block's rows of k gathered by 16-byte cp.async through a
+two-stage ring (invalid entries: zero rows that read nothing).
+  * Forward (IndexerLossFwdSm90): S = Q K^T (wgmma 64 x 64 x 16), score_j summed over the heads
+    (each thread's two rows, the 8 lanes holding the same columns, the 4 warps through shared
+    memory) into a shared-memory row of K scores (-inf at invalid entries); then the softmax
+    statistics (block reductions), the token's KL and the signal of all K slots.
+  * Backward (IndexerLossBwdSm90): the token's signal row is copied into shared memory with
+    Q (no scores, no softmax: the forward's signal carries them); per block, S again, dw in
+    registers, dd rounded once to the inputs' dtype into a shared-memory tile (as the
+    attention backward rounds dS), dq += dd K_blk (A = the dd tile, B = an MN-major view of
+    the gathered rows) in registers for the whole list, and drow = dd^T Q (A = an MN-major
+    view of the dd tile, B = an MN-major view of Q) staged in shared memory (rows of 544 B)
+    and added to dk[idx_j] by one 512-byte bulk reduction per valid entry
+    (cp.reduce.async.bulk add.f32, issued by thread j of the block, never at an invalid
+    entry; whole rows: narrow REDs straight from the accumulator, 32 bytes of 8 rows per
+    warp instruction, bound the kernel), waited for before the next block rewrites the
+    staging tile.
+Shared memory: Q 16 KB + 2 x 16 KB ring + 4 x K bytes of scores or signal (+ the backward's
+8 KB dd tile and 34 KB dk staging: ~106 KB at K = 4096, two CTAs per SM).
 
 Entry points: compile_indexer_loss_fwd(dtype) / compile_indexer_loss_bwd(dtype); ffi/build.py
 exports them as jax_dsa_indexer_loss_{fwd,bwd}_<dtype> (ffi/indexer_loss.cc).
@@ -51,7 +50,7 @@ import cuda.bindings.driver as cuda
 from jax_dsa.cute.constants import INDEXER_DIM as D, INDEXER_LOSS_MAX_K as KMAX
 from .common import (LN_2, LOG2_E, ROW_COPY_THREADS as THREADS, ROW_COPY_TPR as TPR,
                      acc_mn_view, bulk_commit_group, bulk_reduce_add_f32_if, bulk_wait_group,
-                     gather_rows_sw128, head_sums, load_rows_sw128)
+                     cp_async_4_zfill, gather_rows_sw128, head_sums, load_rows_sw128)
 
 BM = 64  # head rows (Hi <= 64, padded)
 BN = 64  # entries per block
@@ -65,7 +64,7 @@ class IndexerLossBwdSm90:
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mIdx: cute.Tensor,
-                 mLen: cute.Tensor, mTarget: cute.Tensor, mG: cute.Tensor, mDQ: cute.Tensor,
+                 mLen: cute.Tensor, mSig: cute.Tensor, mG: cute.Tensor, mDQ: cute.Tensor,
                  mDW: cute.Tensor, mDK: cute.Tensor, B: cutlass.Int32, T: cutlass.Int32,
                  Hi: cutlass.Int32, S: cutlass.Int32, K: cutlass.Int32,
                  scale: cutlass.Float32, stream: cuda.CUstream):
@@ -85,12 +84,10 @@ class IndexerLossBwdSm90:
             sK: cute.struct.Align[cute.struct.MemRange[dt, 2 * BN * D], 1024]
             sDD: cute.struct.Align[cute.struct.MemRange[dt, BM * BN], 1024]
             sScore: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, KMAX], 16]
-            sPart: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * BN], 16]
-            sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 8], 16]
             sRow: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * BN], 16]
             sDK: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BN * DK_LD], 128]
 
-        self.kernel(mQ, mK, mW, mIdx, mLen, mTarget, mG, mDQ, mDW, mDK, T, Hi, S, K, scale,
+        self.kernel(mQ, mK, mW, mIdx, mLen, mSig, mG, mDQ, mDW, mDK, T, Hi, S, K, scale,
                     k_atom.inner, row_layout.outer, dd_layout.outer, rowt_layout.outer,
                     ddt_layout.outer, SharedStorage).launch(
             grid=[B * T, 1, 1], block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(),
@@ -98,7 +95,7 @@ class IndexerLossBwdSm90:
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mIdx: cute.Tensor,
-               mLen: cute.Tensor, mTarget: cute.Tensor, mG: cute.Tensor, mDQ: cute.Tensor,
+               mLen: cute.Tensor, mSig: cute.Tensor, mG: cute.Tensor, mDQ: cute.Tensor,
                mDW: cute.Tensor, mDK: cute.Tensor, T: cutlass.Int32, Hi: cutlass.Int32,
                S: cutlass.Int32, K: cutlass.Int32, scale: cutlass.Float32, swz: cute.Swizzle,
                row_layout: cute.Layout, dd_layout: cute.Layout, rowt_layout: cute.Layout,
@@ -117,8 +114,6 @@ class IndexerLossBwdSm90:
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         sScore = storage.sScore.get_tensor(cute.make_layout(KMAX))
-        sPart = storage.sPart.get_tensor(cute.make_layout(4 * BN))
-        sRed = storage.sRed.get_tensor(cute.make_layout(8))
         sRow = storage.sRow.get_tensor(cute.make_layout(2 * BN))
         q_sw = cute.recast_ptr(storage.sQ.data_ptr(), swizzle_=swz)
         k_sw = cute.recast_ptr(storage.sK.data_ptr(), swizzle_=swz)
@@ -132,26 +127,23 @@ class IndexerLossBwdSm90:
         nc = cute.size(tScS, mode=[1])
         k_addr = mK.iterator.toint()
         n_pad = n_blocks * BN
-        w_r, m, z, tsum = self._row_softmax(
-            mQ, mK, mW, mIdx, mTarget, bt, Hi, S, k_eff, n_blocks, idx_base, k_batch, scale,
-            storage.sQ.data_ptr().toint(), k_smem, q_sw, k_sw, sScore, sPart, sRed, sRow,
-            row_layout, tidx)
-        # ---- dscore, in place ----
-        inv_z = cutlass.Float32(cutlass.select_(z > 0.0, 1.0 / z, cutlass.Float32(0.0)))
-        for j in cutlass.range(tidx, n_pad, THREADS, unroll=1):
-            sc = sScore[j]
-            ok = sc > -cutlass.Float32.inf
-            ds = cutlass.Float32(0.0)
-            if ok:
-                p = cute.math.exp2((sc - m) * LOG2_E, fastmath=True) * inv_z
-                ds = g * (p * tsum - mTarget[idx_base + cutlass.Int64(j)])
-            sScore[j] = ds
-        cute.arch.barrier()
-        coef = cute.make_rmem_tensor(2, cutlass.Float32)  # dd = [a > 0] dscore_j coef_h
+        # ---- Q, the head weights, the signal row (into sScore, zeros past the list; the
+        # forward wrote 0 at its invalid entries) and block 0's gather, all by cp.async ----
+        w_r = self._token_start(mQ, mW, bt, Hi, storage.sQ.data_ptr().toint(), tScS, tidx)
+        coef = cute.make_rmem_tensor(2, cutlass.Float32)  # dd = [a > 0] signal_j coef_h
         for r in cutlass.range_constexpr(2):
-            coef[r] = scale * w_r[r]
+            coef[r] = g * scale * w_r[r]
+        sig_addr = mSig.iterator.toint() + idx_base * 4
+        score_smem = storage.sScore.data_ptr().toint()
+        for j in cutlass.range(tidx, n_pad, THREADS, unroll=1):
+            ok = j < k_eff
+            cp_async_4_zfill(score_smem + j * 4,
+                             sig_addr + cutlass.Int64(cutlass.select_(ok, j, 0)) * 4,
+                             cutlass.Int32(cutlass.select_(ok, 4, 0)))
+        self._first_block(mIdx, k_addr, k_smem, sRow, n_blocks, k_eff, idx_base, k_batch, S,
+                          row, sub)  # (its group holds the signal's copies)
 
-        # ---- pass 2: dw, dq and dk ----
+        # ---- one pass over the list: dw, dq and dk ----
         thr_dq = self._mma("dq").get_slice(tidx)
         thr_dk = self._mma("dk").get_slice(tidx)
         sDD = cute.make_tensor(dd_sw, dd_layout)
@@ -166,8 +158,6 @@ class IndexerLossBwdSm90:
         sDK = storage.sDK.get_tensor(cute.make_layout(BN * DK_LD))
         dk_smem = storage.sDK.data_ptr().toint()
 
-        self._first_block(mIdx, k_addr, k_smem, sRow, n_blocks, k_eff, idx_base, k_batch, S,
-                          row, sub)
         for blk in cutlass.range(n_blocks, unroll=1):
             st = blk % 2
             acc = self._scores_block(mIdx, k_addr, k_smem, sRow, blk, n_blocks, k_eff,
@@ -175,12 +165,12 @@ class IndexerLossBwdSm90:
                                      tidx)
             S_mn = acc_mn_view(acc)
             for c in cutlass.range_constexpr(nc):
-                ds = sScore[blk * BN + tScS[0, c][1]]
+                sg = sScore[blk * BN + tScS[0, c][1]]
                 for r in cutlass.range_constexpr(2):
                     a = S_mn[r, c] * scale
-                    dw_acc[r] = dw_acc[r] + ds * cute.arch.fmax(a, 0.0)
+                    dw_acc[r] = dw_acc[r] + sg * cute.arch.fmax(a, 0.0)
                     S_mn[r, c] = cutlass.Float32(cutlass.select_(
-                        a > 0.0, ds * coef[r], cutlass.Float32(0.0)))
+                        a > 0.0, sg * coef[r], cutlass.Float32(0.0)))
             r_dd = cute.make_fragment_like(acc, dt)
             r_dd.store(acc.load().to(dt))
             cute.copy(r2s, r2s.retile(r_dd), r2s.partition_D(sDD))
@@ -239,7 +229,7 @@ class IndexerLossBwdSm90:
             v = v + cute.arch.shuffle_sync_bfly(v, offset=1)
             h = tScS[r, 0][0]
             if tidx % 4 == 0 and h < Hi:
-                mDW[bt * cutlass.Int64(Hi) + cutlass.Int64(h)] = v
+                mDW[bt * cutlass.Int64(Hi) + cutlass.Int64(h)] = g * v
         tCcQ = acc_mn_view(thr_dq.partition_C(cute.make_identity_tensor((BM, D))))
         Q_mn = acc_mn_view(acc_dq)
         for r in cutlass.range_constexpr(cute.size(tCcQ, mode=[0])):
@@ -261,25 +251,13 @@ class IndexerLossBwdSm90:
         up to n_blocks * 64) and the row's softmax statistics: (w of the thread's two head
         rows, the max m (0 when no entry is valid), z = sum exp(score - m), the targets' sum
         over the valid entries)."""
-        # ---- Q's head rows (rows >= Hi: zeros, nothing read) ----
         row = tidx // TPR
         sub = tidx % TPR
-        load_rows_sw128(mQ.iterator.toint(), bt * cutlass.Int64(Hi), Hi, q_smem, row, sub, BM,
-                        D * 2)
-        cute.arch.cp_async_commit_group()
-
         thr_s = self._mma("s").get_slice(tidx)
         tScS = acc_mn_view(thr_s.partition_C(cute.make_identity_tensor((BM, BN))))
         nc = cute.size(tScS, mode=[1])
         vals = cute.make_rmem_tensor(nc, cutlass.Float32)
-        # this thread's two head rows: w (0 above Hi)
-        w_r = cute.make_rmem_tensor(2, cutlass.Float32)
-        for r in cutlass.range_constexpr(2):
-            h = tScS[r, 0][0]
-            v = cutlass.Float32(0.0)
-            if h < Hi:
-                v = mW[bt * cutlass.Int64(Hi) + cutlass.Int64(h)]
-            w_r[r] = v
+        w_r = self._token_start(mQ, mW, bt, Hi, q_smem, tScS, tidx)
         k_addr = mK.iterator.toint()
 
         # ---- pass 1: the scores of the valid entries ----
@@ -321,6 +299,23 @@ class IndexerLossBwdSm90:
         z = self._block_reduce(z, sRed, False)
         tsum = self._block_reduce(tsum, sRed, False)
         return w_r, m, z, tsum
+
+    @cute.jit
+    def _token_start(self, mQ: cute.Tensor, mW: cute.Tensor, bt: cutlass.Int64,
+                     Hi: cutlass.Int32, q_smem: cutlass.Int32, tScS: cute.Tensor, tidx):
+        """Q's head rows to shared memory (rows >= Hi: zeros, nothing read; one cp.async
+        group) and w of this thread's two head rows (0 above Hi), returned."""
+        load_rows_sw128(mQ.iterator.toint(), bt * cutlass.Int64(Hi), Hi, q_smem, tidx // TPR,
+                        tidx % TPR, BM, D * 2)
+        cute.arch.cp_async_commit_group()
+        w_r = cute.make_rmem_tensor(2, cutlass.Float32)
+        for r in cutlass.range_constexpr(2):
+            h = tScS[r, 0][0]
+            v = cutlass.Float32(0.0)
+            if h < Hi:
+                v = mW[bt * cutlass.Int64(Hi) + cutlass.Int64(h)]
+            w_r[r] = v
+        return w_r
 
     @cute.jit
     def _first_block(self, mIdx: cute.Tensor, k_addr: cutlass.Int64, k_smem: cutlass.Int32,
@@ -393,7 +388,7 @@ class IndexerLossBwdSm90:
 
 def fake_args(dtype):
     """q (B*T*Hi, 128), k (B*S, 128), w (B*T*Hi,) f32, idx (B*T*K,), topk_length (B*T,),
-    target (B*T*K,) f32, g (B*T,) f32, dq (B*T*Hi*128,) f32, dw (B*T*Hi,) f32, dk (B*S, 128)
+    signal (B*T*K,) f32, g (B*T,) f32, dq (B*T*Hi*128,) f32, dw (B*T*Hi,) f32, dk (B*S, 128)
     f32, then B, T, Hi, S, K, scale and the stream."""
     rows_q, rows_k, n_idx, n_tok, n_dq = (cute.sym_int64() for _ in range(5))
     i32 = cutlass.Int32(1)
@@ -419,13 +414,15 @@ def compile_indexer_loss_bwd(dtype):
 
 
 class IndexerLossFwdSm90(IndexerLossBwdSm90):
-    """The per-token KL alone (the loss's forward): pass 1 and the row's softmax statistics of
-    IndexerLossBwdSm90, then KL_t = sum_j target_j (log target_j - log p_j) over the valid
-    entries (0 for a token without one), one float32 per token."""
+    """The loss's forward: the selected scores and their softmax statistics (_row_softmax),
+    then KL_t = sum_j target_j (log target_j - log p_j) over the valid entries (0 for a token
+    without one), one float32 per token, and the signal p_j sum(target) - target_j of each of
+    the token's K slots (0 at the invalid ones), which the backward takes."""
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mIdx: cute.Tensor,
-                 mLen: cute.Tensor, mTarget: cute.Tensor, mKL: cute.Tensor, B: cutlass.Int32,
+                 mLen: cute.Tensor, mTarget: cute.Tensor, mKL: cute.Tensor,
+                 mSig: cute.Tensor, B: cutlass.Int32,
                  T: cutlass.Int32, Hi: cutlass.Int32, S: cutlass.Int32, K: cutlass.Int32,
                  scale: cutlass.Float32, stream: cuda.CUstream):
         dt = self.dtype
@@ -441,14 +438,16 @@ class IndexerLossFwdSm90(IndexerLossBwdSm90):
             sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 8], 16]
             sRow: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * BN], 16]
 
-        self.kernel(mQ, mK, mW, mIdx, mLen, mTarget, mKL, T, Hi, S, K, scale, k_atom.inner,
+        self.kernel(mQ, mK, mW, mIdx, mLen, mTarget, mKL, mSig, T, Hi, S, K, scale,
+                    k_atom.inner,
                     row_layout.outer, SharedStorage).launch(
             grid=[B * T, 1, 1], block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(),
             min_blocks_per_mp=1, stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mIdx: cute.Tensor,
-               mLen: cute.Tensor, mTarget: cute.Tensor, mKL: cute.Tensor, T: cutlass.Int32,
+               mLen: cute.Tensor, mTarget: cute.Tensor, mKL: cute.Tensor, mSig: cute.Tensor,
+               T: cutlass.Int32,
                Hi: cutlass.Int32, S: cutlass.Int32, K: cutlass.Int32, scale: cutlass.Float32,
                swz: cute.Swizzle, row_layout: cute.Layout, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
@@ -470,17 +469,25 @@ class IndexerLossFwdSm90(IndexerLossBwdSm90):
             cute.recast_ptr(storage.sK.data_ptr(), swizzle_=swz), sScore,
             storage.sPart.get_tensor(cute.make_layout(4 * BN)), sRed,
             storage.sRow.get_tensor(cute.make_layout(2 * BN)), row_layout, tidx)
-        # KL = sum t log t - sum t (score - m) + (sum t) log z, over the valid entries
+        # KL = sum t log t - sum t (score - m) + (sum t) log z over the valid entries, and
+        # each entry's signal p_j sum t - t_j (0 at the invalid ones and past the list)
         xlogx = cutlass.Float32(0.0)
         tdot = cutlass.Float32(0.0)
-        for j in cutlass.range(tidx, n_blocks * BN, THREADS, unroll=1):
-            sc = sScore[j]
-            if sc > -cutlass.Float32.inf:  # (slots past the list: nothing read)
-                tg = mTarget[idx_base + cutlass.Int64(j)]
-                lg = cute.math.log2(cute.arch.fmax(tg, 1e-30), fastmath=True) * LN_2
-                xlogx = xlogx + cutlass.Float32(cutlass.select_(tg > 0.0, tg * lg,
-                                                                cutlass.Float32(0.0)))
-                tdot = tdot + tg * (sc - m)
+        inv_z = cutlass.Float32(cutlass.select_(z > 0.0, 1.0 / z, cutlass.Float32(0.0)))
+        n_pad = n_blocks * BN
+        for j in cutlass.range(tidx, K, THREADS, unroll=1):
+            sig = cutlass.Float32(0.0)
+            if j < n_pad:
+                sc = sScore[j]
+                if sc > -cutlass.Float32.inf:  # (slots past the list: nothing read)
+                    tg = mTarget[idx_base + cutlass.Int64(j)]
+                    lg = cute.math.log2(cute.arch.fmax(tg, 1e-30), fastmath=True) * LN_2
+                    xlogx = xlogx + cutlass.Float32(cutlass.select_(tg > 0.0, tg * lg,
+                                                                    cutlass.Float32(0.0)))
+                    tdot = tdot + tg * (sc - m)
+                    p = cute.math.exp2((sc - m) * LOG2_E, fastmath=True) * inv_z
+                    sig = p * tsum - tg
+            mSig[idx_base + cutlass.Int64(j)] = sig
         xlogx = self._block_reduce(xlogx, sRed, False)
         tdot = self._block_reduce(tdot, sRed, False)
         log_z = cute.math.log2(cute.arch.fmax(z, 1e-30), fastmath=True) * LN_2
@@ -492,7 +499,8 @@ class IndexerLossFwdSm90(IndexerLossBwdSm90):
 
 def fwd_fake_args(dtype):
     """q (B*T*Hi, 128), k (B*S, 128), w (B*T*Hi,) f32, idx (B*T*K,), topk_length (B*T,),
-    target (B*T*K,) f32, kl (B*T,) f32, then B, T, Hi, S, K, scale and the stream."""
+    target (B*T*K,) f32, kl (B*T,) f32, signal (B*T*K,) f32, then B, T, Hi, S, K, scale and
+    the stream."""
     rows_q, rows_k, n_idx, n_tok = (cute.sym_int64() for _ in range(4))
     i32 = cutlass.Int32(1)
     f32 = cutlass.Float32
@@ -504,6 +512,7 @@ def fwd_fake_args(dtype):
         make_fake_compact_tensor(cutlass.Int32, (n_tok,), assumed_align=4),
         make_fake_compact_tensor(f32, (n_idx,), assumed_align=4),
         make_fake_compact_tensor(f32, (n_tok,), assumed_align=4),
+        make_fake_compact_tensor(f32, (n_idx,), assumed_align=4),
         i32, i32, i32, i32, i32, cutlass.Float32(1.0), make_fake_stream(),
     )
 
