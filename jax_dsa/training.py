@@ -12,11 +12,13 @@ from the main model's graph, and the target is not differentiated).
 
 Two implementations of each: the Hopper kernels (jax_dsa/cute/target.py: each entry's mass
 summed over 64-head blocks from q, kv and the saved lse, no [B, T, H, K] array;
-jax_dsa/cute/indexer_loss.py: one CTA per token recomputes the selected scores, their softmax
-and the KL, and in the backward dq, dweights and dk by fp32 atomics), and the pure-JAX reference
-here (the CPU/TPU path and the kernels' oracle), chunked over tokens (memory O(chunk * K * D)).
-The loss is a `jax.custom_vjp` whose backward gives dq_i, dk_i (scatter-added over the rows of
-k_i, never at an invalid entry) and dweights.
+jax_dsa/cute/indexer_loss.py: one CTA per token computes the selected scores, their softmax,
+the KL and each entry's gradient signal d KL / d score; in the backward dq, dweights and dk by
+fp32 atomics from that signal), and the pure-JAX reference here (the CPU/TPU path and the
+kernels' oracle), chunked over tokens (memory O(chunk * K * D)). The loss is a
+`jax.custom_vjp` whose forward keeps the signal [B, T, K] (float32, the target's size) as a
+residual and whose backward gives dq_i, dk_i (scatter-added over the rows of k_i, never at an
+invalid entry) and dweights.
 """
 from __future__ import annotations
 
