@@ -181,6 +181,27 @@ def indexer_loss_grads(q, k, w, idx, lengths, target, g, scale):
     return dq, dk, dw
 
 
+def indexer_signal(q, k, w, idx, lengths, target, scale):
+    """float64 [B, T, K]: d KL / d score_j = p_j sum(target) - target_j over each token's valid
+    entries (p: the softmax of the indexer scores over them), 0 at every other slot."""
+    q, k, w, target = (np.asarray(x, np.float64) for x in (q, k, w, target))
+    b, t = q.shape[:2]
+    out = np.zeros(np.asarray(idx).shape)
+    for bi in range(b):
+        for ti in range(t):
+            valid = _valid_list(idx, lengths, k.shape[1], bi, ti)
+            if not valid:
+                continue
+            slots = [j for j, _ in valid]
+            a = scale * q[bi, ti] @ k[bi, [r for _, r in valid]].T  # [h, nv]
+            score = (w[bi, ti][:, None] * np.maximum(a, 0)).sum(0)
+            p = np.exp(score - score.max())
+            p /= p.sum()
+            tg = target[bi, ti, slots]
+            out[bi, ti, slots] = p * tg.sum() - tg
+    return out
+
+
 def indexer_kl(q, k, w, idx, lengths, target, scale):
     """float64 per-token KL(target || softmax of the indexer scores over the valid entries)."""
     b, t, h, _ = q.shape
