@@ -8,7 +8,8 @@
 # between HEAD and REV (and any export REV adds), relinks, and copies libjax_dsa_sm90.so to
 # OUT_DIR (put it under build/ and carry it; on the GPU machine copy it over
 # jax_dsa/_lib/libjax_dsa_sm90.so between two runs). Needs CUTE_DSL_ARCH=sm_90a in the
-# environment, as ffi/build.py does.
+# environment, as ffi/build.py does. VARIANT_MODULES="bwd ..." adds kernel modules to re-export
+# (for a REV that changes what they import from jax_dsa/cute, e.g. constants.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rev=$1
@@ -22,6 +23,7 @@ mkdir -p "$wt/build"
 cp -r build/kernels "$wt/build/"
 changed=$(git diff --name-only HEAD "$rev" -- ffi/kernels/sm90/ | xargs -r -n1 basename |
           sed 's/\.py$//' | tr '\n' ' ')
+changed="$changed ${VARIANT_MODULES:-}"
 cd "$wt/ffi"
 python - "$changed" <<'EOF'
 import os
