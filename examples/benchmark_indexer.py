@@ -27,7 +27,9 @@ T, HI, DI = 4096, 64, 128
 # (label, context, ratio, topk)
 SHAPES = [("S8K k2048", 8192, 1, 2048), ("S32K k2048", 32768, 1, 2048),
           ("S128K k512", 131072, 1, 512), ("S128K k1024", 131072, 1, 1024),
-          ("S128K k2048", 131072, 1, 2048), ("V4 ratio4 128K k512", 131072, 4, 512)]
+          ("S128K k2048", 131072, 1, 2048), ("V4 ratio4 128K k512", 131072, 4, 512),
+          # the V4 layer of benchmark_layer.py: 16384 compressed rows, V4-Flash / V4-Pro top-k
+          ("V4 layer 64K k512", 65536, 4, 512), ("V4 layer 64K k1024", 65536, 4, 1024)]
 
 
 def extra_bytes(fn, args):

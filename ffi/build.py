@@ -79,7 +79,9 @@ def exports():
     for dt in DTYPES:  # the lightning indexer's scores
         out.append(("indexer", f"jax_dsa_indexer_scores_{dt}", "indexer_scores",
                     "compile_indexer_scores", dict(dtype=dt)))
-    out.append(("select", "jax_dsa_indexer_topk", "indexer_topk", "compile_indexer_topk", {}))
+    for k in c.INDEXER_TOPK_SIZES:  # the top-k, one candidate-buffer size each
+        out.append(("select", f"jax_dsa_indexer_topk_k{k}", "indexer_topk",
+                    "compile_indexer_topk", dict(max_k=k)))
     for dt in DTYPES:  # the indexer loss (the per-token KL) and its backward
         for part in ("fwd", "bwd"):
             out.append((f"loss_{part}", f"jax_dsa_indexer_loss_{part}_{dt}", "indexer_loss",

@@ -9,7 +9,8 @@
 //   rets:  scores [B, T, S] f32 (-inf where row s is not visible to token t)
 //
 // JaxDsaIndexerTopkSm90: each row's top-k by radix select (ffi/kernels/sm90/indexer_topk.py,
-// exported as jax_dsa_indexer_topk, listed in JAX_DSA_SELECT_SPECS).
+// exported as jax_dsa_indexer_topk_k<size> for each size of kIndexerTopkSizes, listed in
+// JAX_DSA_SELECT_SPECS; a call runs the smallest size >= topk).
 //   args:  scores [B, T, S] f32
 //   attrs: topk (int32, 1..kIndexerMaxTopk)
 //   rets:  values [B, T, topk] f32 (highest first, -inf past min(topk, S) and for -inf
@@ -166,9 +167,16 @@ ffi::Error IndexerTopk(cudaStream_t stream, int32_t device, ffi::AnyBuffer score
   if (S < 1 || S >= INT32_MAX || B * T > INT32_MAX)
     return err("need 1 <= S < 2^31 - 1 and B * T < 2^31");
   if (B * T == 0) return ffi::Error::Success();
-  KernelTable<TopkArgs>::Launch launch = TopkKernels().Find("jax_dsa_indexer_topk");
+  // The smallest build whose candidate buffer holds topk (more CTAs per SM).
+  KernelTable<TopkArgs>::Launch launch = nullptr;
+  for (int64_t size : kIndexerTopkSizes) {
+    if (topk > size) continue;
+    launch = TopkKernels().Find("jax_dsa_indexer_topk_k" + std::to_string(size));
+    if (launch != nullptr) break;
+  }
   if (launch == nullptr)
-    return ffi::Error::Internal("jax_dsa indexer_topk: no kernel jax_dsa_indexer_topk was built");
+    return ffi::Error::Internal("jax_dsa indexer_topk: no top-k kernel for topk " +
+                                std::to_string(topk) + " was built");
   DeviceGuard guard(device);
   if (!guard.ok()) return ffi::Error::Internal("jax_dsa indexer_topk: cudaSetDevice failed");
   cudaError_t le = TopkKernels().Load();

@@ -117,6 +117,16 @@ for b, t, h, s, ratio, start in ((2, 37, 7, 300, 1, 250), (1, 70, 64, 513, 4, 10
     jax.block_until_ready((sc, idx))
     assert not np.isnan(np.asarray(sc)).any()
     print(f"indexer B={b} T={t} Hi={h} S={s} ratio={ratio}: ok")
+# The top-k kernel of each candidate-buffer size (the smallest that holds topk), on rows with
+# more columns than topk, fewer, and one repeated value (the fallback passes).
+from jax_dsa.cute import ffi as _ffi  # noqa: E402
+for topk in (300, 1000, 2000, 4000):
+    sc = rng.standard_normal((1, 4, 2 * topk + 300)).astype(np.float32)
+    sc[0, 1, topk // 2:] = -np.inf
+    sc[0, 2] = 0.5
+    val, idx = jax.jit(_ffi.indexer_topk, static_argnums=1)(jnp.asarray(sc), topk)
+    jax.block_until_ready((val, idx))
+    print(f"indexer top-k {topk} over {sc.shape[-1]} columns: ok")
 print("indexer memcheck case done")
 
 # The attention-target kernel: padded heads, invalid entries (both sides of [0, S)), partial

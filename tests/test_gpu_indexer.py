@@ -135,6 +135,28 @@ def test_topk_kernel_matches_the_oracle_with_ties_and_dead_columns(s, topk):
     np.testing.assert_array_equal(np.asarray(val), want_val.astype(np.float32))
 
 
+@pytest.mark.parametrize("topk", [1, 511, 512, 513, 1024, 1025, 2048, 2049, 4096])
+def test_topk_kernel_sizes_at_their_limits(topk):
+    """Each candidate-buffer size of the top-k kernel (INDEXER_TOPK_SIZES; the call runs the
+    smallest that holds topk) at and just past its limit, on rows of distinct values, rows with
+    ties everywhere, a row shorter than topk and a row of one repeated value (more ties than the
+    buffer holds, or a first-digit bin larger than the shared-memory buffer: the fallback):
+    values and columns exactly the oracle's."""
+    _kernel_or_skip()
+    from jax_dsa.cute import ffi
+    rng = np.random.default_rng(topk)
+    s = 2 * topk + 500
+    sc = rng.standard_normal((1, 5, s)).astype(np.float32)  # row 0: distinct values
+    sc[0, 1] = rng.integers(-6, 6, s).astype(np.float32)  # ties everywhere
+    sc[0, 2, topk // 2:] = -np.inf  # fewer visible columns than topk
+    sc[0, 3] = 1.5  # one value: ties beyond the candidate buffer
+    sc[0, 4, rng.random(s) < 0.5] = -np.inf  # half the columns dead
+    val, idx = jax.jit(ffi.indexer_topk, static_argnums=1)(jnp.asarray(sc), topk)
+    want_idx, want_val = oracle_topk(sc.astype(np.float64), topk)
+    np.testing.assert_array_equal(np.asarray(idx), want_idx)
+    np.testing.assert_array_equal(np.asarray(val), want_val.astype(np.float32))
+
+
 def test_selection_above_the_kernels_topk_limit_uses_xla_top_k():
     _kernel_or_skip()
     from jax_dsa.cute.constants import INDEXER_MAX_TOPK

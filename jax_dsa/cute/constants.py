@@ -26,14 +26,18 @@ UNION_TABLES = (2048, 4096, 8192)
 UNION_CAPACITY = 6144
 
 # The lightning indexer's kernels: the head dim, the most heads per call (one wgmma N tile) and
-# the most entries the top-k kernel selects per token (its shared-memory candidate buffer).
+# the most entries the top-k kernel selects per token. The top-k is built for each size of
+# INDEXER_TOPK_SIZES (its shared-memory candidate buffer holds twice that many entries); a call
+# runs the smallest that holds its topk (a smaller buffer lets more CTAs share an SM).
 INDEXER_DIM = 128
 INDEXER_MAX_HEADS = 64
-INDEXER_MAX_TOPK = 4096
+INDEXER_TOPK_SIZES = (512, 1024, 2048, 4096)
+INDEXER_MAX_TOPK = INDEXER_TOPK_SIZES[-1]
 # The indexer loss's backward kernel: the most entries per token (its shared-memory score row).
 INDEXER_LOSS_MAX_K = 4096
 
 # Written into jax_dsa_constants.h by ffi/build.py (C++ name: k + CamelCase).
 CPP = ("D_V", "MAX_HEADS", "SMALL_HEADS", "MEMBER_SHIFT", "GROUPS", "UNION_TABLES",
-       "UNION_CAPACITY", "INDEXER_DIM", "INDEXER_MAX_HEADS", "INDEXER_MAX_TOPK",
+       "UNION_CAPACITY", "INDEXER_DIM", "INDEXER_MAX_HEADS", "INDEXER_TOPK_SIZES",
+       "INDEXER_MAX_TOPK",
        "INDEXER_LOSS_MAX_K")

@@ -13,7 +13,8 @@ on the fast path (dev/topk_model.py models it and checks it against an oracle):
   B. keys above b0 go to the candidates (a shared atomic counter), the keys of b0 (at most BUF)
      to a shared-memory buffer, where two more histogram passes (10 and 9 bits) find the
      K_eff-th largest key theta. The buffer's keys above theta join the candidates; the keys
-     equal to theta all join too (when they fit in CAP), so the final sort orders the ties by
+     equal to theta all join too (when they fit in CAP = 2 max_k), so the final sort orders the
+     ties by
      column; at theta = -inf none is needed (those slots are (-1, -inf)).
   Fallback (b0 holds more than BUF keys, or more ties than CAP): four 8-bit histogram passes
   over the row and a collection pass that ranks the ties in column order (warp ballots).
@@ -21,10 +22,11 @@ on the fast path (dev/topk_model.py models it and checks it against an oracle):
   complement of the column), descending, and the store of the first K.
 The kernel reads and writes the float32 buffers as int32 bits (no float arithmetic is needed).
 Shared memory: 8 x CAP bytes of candidates + 8 x BUF of buffer (which holds pass A's bins
-first) + 4 KB of bins (100 KB): two CTAs per SM.
+first) + 4 KB of bins: 45 KB at max_k 512 (five CTAs per SM) up to 100 KB at 4096 (two). One
+build per max_k of INDEXER_TOPK_SIZES; the handler runs the smallest that holds K.
 
-Entry point: compile_indexer_topk(); ffi/build.py exports it as jax_dsa_indexer_topk
-(ffi/indexer.cc).
+Entry point: compile_indexer_topk(max_k); ffi/build.py exports it as
+jax_dsa_indexer_topk_k<max_k> (ffi/indexer.cc).
 """
 
 import cutlass
@@ -32,14 +34,13 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 import cuda.bindings.driver as cuda
 
-from jax_dsa.cute.constants import INDEXER_MAX_TOPK as MAX_K  # candidates in shared memory
+from jax_dsa.cute.constants import INDEXER_MAX_TOPK
 
 THREADS = 256
 A_BITS = 13  # the first digit: the key's top 13 bits
 BINS_A = 1 << A_BITS
 BINS = 1024  # the other digits' bins (at most 10 bits)
 BUF = 4096  # keys of the selected first-digit bin held in shared memory (fast path)
-CAP = 2 * MAX_K  # candidates in the final sort (a power of two >= MAX_K)
 UNROLL = 16  # keys loaded per thread before they are counted (loads in flight)
 NEG_INF_BITS = -8388608  # 0xFF800000, float32 -inf
 NEG_INF_KEY = NEG_INF_BITS ^ 0x7FFFFFFF  # its signed order key
@@ -53,13 +54,18 @@ def _as_int32(x: int) -> int:
 
 
 class IndexerTopkSm90:
+    def __init__(self, max_k: int = INDEXER_MAX_TOPK):
+        assert max_k & (max_k - 1) == 0, "max_k must be a power of two"
+        self.max_k = max_k  # the largest K this build takes
+        self.cap = 2 * max_k  # candidates in the final sort (a power of two > max_k)
+
     @cute.jit
     def __call__(self, mScores: cute.Tensor, mIdx: cute.Tensor, mVal: cute.Tensor,
                  R: cutlass.Int32, S: cutlass.Int32, K: cutlass.Int32,
                  stream: cuda.CUstream):
         @cute.struct
         class SharedStorage:
-            cand: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, CAP], 16]
+            cand: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, self.cap], 16]
             buf: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, BUF], 16]
             hist: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, BINS], 16]
             warp: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, THREADS // 32], 16]
@@ -219,7 +225,7 @@ class IndexerTopkSm90:
         warp = tidx // 32
         smem = cutlass.utils.SmemAllocator()
         st = smem.allocate(SharedStorage)
-        cand = st.cand.get_tensor(cute.make_layout(CAP))
+        cand = st.cand.get_tensor(cute.make_layout(self.cap))
         buf = st.buf.get_tensor(cute.make_layout(BUF))
         hist = st.hist.get_tensor(cute.make_layout(BINS))
         # The first digit's bins share the buffer's memory (8 x BUF = 4 x BINS_A bytes): they
@@ -271,7 +277,7 @@ class IndexerTopkSm90:
                     if s < S and d > b0:
                         pos = cute.arch.atomic_add((sel.iterator + 2).llvm_ptr,
                                                    cutlass.Int32(1), sem="relaxed", scope="cta")
-                        if pos < CAP:  # always: fewer than k_eff keys are above bin b0
+                        if pos < self.cap:  # always: fewer than k_eff keys are above bin b0
                             cand[pos] = comp
                     if s < S and d == b0:
                         pos = cute.arch.atomic_add((sel.iterator + 4).llvm_ptr,
@@ -307,7 +313,7 @@ class IndexerTopkSm90:
                 if key > theta:
                     pos = cute.arch.atomic_add((sel.iterator + 2).llvm_ptr, cutlass.Int32(1),
                                                sem="relaxed", scope="cta")
-                    if pos < CAP:
+                    if pos < self.cap:
                         cand[pos] = comp
                 if key == theta:
                     cute.arch.atomic_add((sel.iterator + 5).llvm_ptr, cutlass.Int32(1),
@@ -317,17 +323,17 @@ class IndexerTopkSm90:
             n_eq = sel[5]
             # Ties at theta: all of them go into the sort (key descending, then column
             # ascending) when they fit; at -inf none is needed (those slots are (-inf, -1)).
-            fast = theta == NEG_INF_KEY or n_cand + n_eq <= CAP
-            if theta != NEG_INF_KEY and n_cand + n_eq <= CAP:
+            fast = theta == NEG_INF_KEY or n_cand + n_eq <= self.cap
+            if theta != NEG_INF_KEY and n_cand + n_eq <= self.cap:
                 for i in cutlass.range(tidx, n_bin, THREADS, unroll=1):
                     comp = buf[i]
                     if cutlass.Int32(comp >> 32) == theta:
                         pos = cute.arch.atomic_add((sel.iterator + 2).llvm_ptr,
                                                    cutlass.Int32(1), sem="relaxed", scope="cta")
-                        if pos < CAP:
+                        if pos < self.cap:
                             cand[pos] = comp
             cute.arch.sync_threads()
-            count = cutlass.min(sel[2], CAP)
+            count = cutlass.min(sel[2], self.cap)
             cute.arch.sync_threads()
         if not fast:
             self._five_pass_select(mScores, cand, hist, sWarp, sel, base, S, k_eff, tidx, lane,
@@ -376,6 +382,6 @@ def fake_args():
             i32, i32, i32, make_fake_stream())
 
 
-def compile_indexer_topk():
-    """Compile with shape-only tensors (fake_args)."""
-    return cute.compile(IndexerTopkSm90(), *fake_args())
+def compile_indexer_topk(max_k: int = INDEXER_MAX_TOPK):
+    """Compile with shape-only tensors (fake_args) for K <= max_k."""
+    return cute.compile(IndexerTopkSm90(max_k), *fake_args())
