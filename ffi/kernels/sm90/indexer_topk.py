@@ -18,8 +18,10 @@ on the fast path (dev/topk_model.py models it and checks it against an oracle):
      column; at theta = -inf none is needed (those slots are (-1, -inf)).
   Fallback (b0 holds more than BUF keys, or more ties than CAP): four 8-bit histogram passes
   over the row and a collection pass that ranks the ties in column order (warp ballots).
-  Then a bitonic sort of the candidates in shared memory on a 64-bit key (score key, then the
-  complement of the column), descending, and the store of the first K.
+  Then a bitonic sort of the candidates on a 64-bit key (score key, then the complement of the
+  column), descending: in registers (E = max_k / 256 per thread; shuffles between the lanes of a
+  warp, shared memory only for partners in other warps) when they fit in max_k, else in shared
+  memory; then the store of the first K.
 The kernel reads and writes the float32 buffers as int32 bits (no float arithmetic is needed).
 Shared memory: 8 x CAP bytes of candidates + 8 x BUF of buffer (which holds pass A's bins
 first) + 4 KB of bins: 45 KB at max_k 512 (five CTAs per SM) up to 100 KB at 4096 (two). One
@@ -45,6 +47,7 @@ UNROLL = 16  # keys loaded per thread before they are counted (loads in flight)
 NEG_INF_BITS = -8388608  # 0xFF800000, float32 -inf
 NEG_INF_KEY = NEG_INF_BITS ^ 0x7FFFFFFF  # its signed order key
 INT32_MIN = -2147483648
+INT64_MIN = -9223372036854775808
 
 
 def _as_int32(x: int) -> int:
@@ -215,6 +218,74 @@ class IndexerTopkSm90:
             cand[i] = hi if desc else lo
             cand[i + j] = lo if desc else hi
 
+    @cute.jit
+    def _sort_in_registers(self, cand: cute.Tensor, tidx, lane):
+        """Bitonic sort (descending) of cand[0, max_k) with the elements in registers: thread t
+        holds positions t E .. t E + E - 1 (E = max_k / THREADS). A compare-exchange between
+        positions closer than E stays in the thread, closer than 32 E goes through one shuffle
+        per 32-bit half, and the farther ones (the last log2(max_k / 32 E) levels of each
+        merge) through shared memory with a barrier each. Returns with the sorted elements in
+        cand and the threads synchronised."""
+        E = self.max_k // THREADS
+        log_e = E.bit_length() - 1
+        log_n = self.max_k.bit_length() - 1
+        log_we = log_e + 5  # partners at least 2^log_we apart sit in other warps
+        r = cute.make_rmem_tensor(E, cutlass.Int64)
+        for e in cutlass.range_constexpr(E):
+            r[e] = cand[tidx * E + e]
+        for lsize in cutlass.range_constexpr(1, log_n + 1):  # merges into runs of 2^lsize
+            top = lsize - 1
+            if cutlass.const_expr(top >= log_we):
+                for e in cutlass.range_constexpr(E):
+                    cand[tidx * E + e] = r[e]
+                cute.arch.sync_threads()
+                for lj in cutlass.range_constexpr(top, log_we - 1, -1):
+                    self._bitonic_stage(cand, self.max_k, lsize, lj, tidx)
+                    cute.arch.sync_threads()
+                for e in cutlass.range_constexpr(E):
+                    r[e] = cand[tidx * E + e]
+                top = log_we - 1
+            # bit lsize of this thread's positions (0: the run is sorted descending), for
+            # lsize >= log_e; the last merge (lsize = log_n) is descending everywhere
+            t_bit = cutlass.Int32(0)
+            if cutlass.const_expr(lsize >= log_e and lsize < log_n):
+                t_bit = (tidx >> (lsize - log_e)) & 1
+            for lj in cutlass.range_constexpr(top, -1, -1):
+                d = 1 << lj
+                if cutlass.const_expr(d >= E):  # the partner is lane ^ (d / E)
+                    up = (lane >> (lj - log_e)) & 1
+                    keep_max = t_bit == up  # descending and lower, or ascending and upper
+                    for e in cutlass.range_constexpr(E):
+                        mine = r[e]
+                        o_lo = cute.arch.shuffle_sync_bfly(cutlass.Int32(mine), offset=d // E)
+                        o_hi = cute.arch.shuffle_sync_bfly(cutlass.Int32(mine >> 32),
+                                                           offset=d // E)
+                        other = (cutlass.Int64(o_hi) << 32) | (cutlass.Int64(o_lo) & 0xFFFFFFFF)
+                        hi = cutlass.max(mine, other)
+                        lo = cutlass.min(mine, other)
+                        r[e] = hi if keep_max else lo
+                else:
+                    for e in cutlass.range_constexpr(E):
+                        if cutlass.const_expr((e & d) == 0):
+                            a = r[e]
+                            b = r[e + d]
+                            hi = cutlass.max(a, b)
+                            lo = cutlass.min(a, b)
+                            if cutlass.const_expr(lsize < log_e):
+                                if cutlass.const_expr(((e >> lsize) & 1) == 0):
+                                    r[e] = hi
+                                    r[e + d] = lo
+                                else:
+                                    r[e] = lo
+                                    r[e + d] = hi
+                            else:
+                                desc = t_bit == 0
+                                r[e] = hi if desc else lo
+                                r[e + d] = lo if desc else hi
+        for e in cutlass.range_constexpr(E):
+            cand[tidx * E + e] = r[e]
+        cute.arch.sync_threads()
+
     @cute.kernel
     def kernel(self, mScores: cute.Tensor, mIdx: cute.Tensor, mVal: cute.Tensor,
                S: cutlass.Int32, K: cutlass.Int32,
@@ -340,20 +411,26 @@ class IndexerTopkSm90:
                                    warp)
             count = k_eff
 
-        # ---- bitonic sort (descending) of the candidates, padded to a power of two ----
-        n_pow2 = cutlass.Int32(1)
-        log_n = cutlass.Int32(0)
-        while n_pow2 < count:
-            n_pow2 = n_pow2 * 2
-            log_n = log_n + 1
-        for i in cutlass.range(count + tidx, n_pow2, THREADS, unroll=1):
-            cand[i] = cutlass.Int64(-9223372036854775807 - 1)
-        cute.arch.sync_threads()
-        for lsize in cutlass.range(1, log_n + 1, unroll=1):  # runs of 2^lsize
-            for d in cutlass.range(lsize, unroll=1):  # partners 2^(lsize - 1 - d) apart
-                lj = lsize - 1 - d
-                self._bitonic_stage(cand, n_pow2, lsize, lj, tidx)
-                cute.arch.sync_threads()
+        # ---- bitonic sort (descending) of the candidates, padded with the smallest key ----
+        if count <= self.max_k:  # always, unless ties at theta took more slots
+            for i in cutlass.range(count + tidx, self.max_k, THREADS, unroll=1):
+                cand[i] = cutlass.Int64(INT64_MIN)
+            cute.arch.sync_threads()
+            self._sort_in_registers(cand, tidx, lane)
+        else:  # in shared memory, padded to a power of two
+            n_pow2 = cutlass.Int32(1)
+            log_n = cutlass.Int32(0)
+            while n_pow2 < count:
+                n_pow2 = n_pow2 * 2
+                log_n = log_n + 1
+            for i in cutlass.range(count + tidx, n_pow2, THREADS, unroll=1):
+                cand[i] = cutlass.Int64(INT64_MIN)
+            cute.arch.sync_threads()
+            for lsize in cutlass.range(1, log_n + 1, unroll=1):  # runs of 2^lsize
+                for d in cutlass.range(lsize, unroll=1):  # partners 2^(lsize - 1 - d) apart
+                    lj = lsize - 1 - d
+                    self._bitonic_stage(cand, n_pow2, lsize, lj, tidx)
+                    cute.arch.sync_threads()
 
         # ---- store ----
         out = cutlass.Int64(row) * cutlass.Int64(K)
