@@ -29,15 +29,18 @@ def test_library_loads_and_exports_handlers():
         assert getattr(lib, sym) is not None
     assert _native.has_backward()
     lib.JaxDsaBwdNumKernels.restype = ctypes.c_int
-    assert lib.JaxDsaBwdNumKernels() == 20  # plain, deterministic, 3 grouped x 4 specs
+    # plain, deterministic, 3 grouped x 4 specs; plain and 3 grouped with evict-last REDs x 2
+    # specs (Dqk 512)
+    assert lib.JaxDsaBwdNumKernels() == 28
     # The default build has the list-union kernels (G = 2, 4, 8, each with 3 table sizes) that the
     # grouped backward needs; without them H = 32 / 16 / 8 would silently run the slower plain kernel.
     assert _native.has_group_union()
     lib.JaxDsaGroupUnionNumKernels.restype = ctypes.c_int
     assert lib.JaxDsaGroupUnionNumKernels() == 9
-    assert _native.has_indexer()  # the indexer's score kernel (bf16, f16) and its top-k
+    # the indexer's score kernel (bf16, f16) and its top-k (one per INDEXER_TOPK_SIZES)
+    assert _native.has_indexer()
     lib.JaxDsaIndexerNumKernels.restype = ctypes.c_int
-    assert lib.JaxDsaIndexerNumKernels() == 3
+    assert lib.JaxDsaIndexerNumKernels() == 6
     assert getattr(lib, "JaxDsaIndexerTopkSm90") is not None
     # the attention-target kernel: 64 or 128 heads per CTA x bf16, f16 x Dqk 512, 576
     assert _native.has_target()
