@@ -14,8 +14,7 @@ on the fast path (dev/topk_model.py models it and checks it against an oracle):
      to a shared-memory buffer, where two more histogram passes (10 and 9 bits) find the
      K_eff-th largest key theta. The buffer's keys above theta join the candidates; the keys
      equal to theta all join too (when they fit in CAP = 2 max_k), so the final sort orders the
-     ties by
-     column; at theta = -inf none is needed (those slots are (-1, -inf)).
+     ties by column; at theta = -inf none is needed (those slots are (-1, -inf)).
   Fallback (b0 holds more than BUF keys, or more ties than CAP): four 8-bit histogram passes
   over the row and a collection pass that ranks the ties in column order (warp ballots).
   Then a bitonic sort of the candidates on a 64-bit key (score key, then the complement of the
@@ -58,7 +57,8 @@ def _as_int32(x: int) -> int:
 
 class IndexerTopkSm90:
     def __init__(self, max_k: int = INDEXER_MAX_TOPK):
-        assert max_k & (max_k - 1) == 0, "max_k must be a power of two"
+        assert max_k >= THREADS and max_k & (max_k - 1) == 0, \
+            "max_k must be a power of two >= THREADS (the register sort's E >= 1)"
         self.max_k = max_k  # the largest K this build takes
         self.cap = 2 * max_k  # candidates in the final sort (a power of two > max_k)
 
