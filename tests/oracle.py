@@ -153,6 +153,20 @@ def attention_target(p, scale):
     return out
 
 
+def _indexer_token(q, k, w, idx, lengths, scale, bi, ti):
+    """float64 pieces of token (bi, ti)'s indexer softmax over its valid entries: (slots, rows,
+    a = scale q k^T [h, nv], p = softmax of sum_h w ReLU(a) [nv]), or None without valid ones."""
+    valid = _valid_list(idx, lengths, k.shape[1], bi, ti)
+    if not valid:
+        return None
+    slots = [j for j, _ in valid]
+    rows = np.array([r for _, r in valid])
+    a = scale * q[bi, ti] @ k[bi, rows].T
+    score = (w[bi, ti][:, None] * np.maximum(a, 0)).sum(0)
+    p = np.exp(score - score.max())
+    return slots, rows, a, p / p.sum()
+
+
 def indexer_loss_grads(q, k, w, idx, lengths, target, g, scale):
     """float64 (dq, dk, dw) of sum_t g[b, t] KL(target || softmax of the indexer scores over
     the valid entries), from the formulas: dscore = g (p sum(target) - target),
@@ -162,16 +176,11 @@ def indexer_loss_grads(q, k, w, idx, lengths, target, g, scale):
     dq, dk, dw = np.zeros_like(q), np.zeros_like(k), np.zeros_like(w)
     for bi in range(b):
         for ti in range(t):
-            valid = _valid_list(idx, lengths, k.shape[1], bi, ti)
-            if not valid:
+            token = _indexer_token(q, k, w, idx, lengths, scale, bi, ti)
+            if token is None:
                 continue
-            slots = [j for j, _ in valid]
-            rows = np.array([r for _, r in valid])
+            slots, rows, a, p = token
             kr = k[bi, rows]  # [nv, d]
-            a = scale * q[bi, ti] @ kr.T  # [h, nv]
-            score = (w[bi, ti][:, None] * np.maximum(a, 0)).sum(0)
-            p = np.exp(score - score.max())
-            p /= p.sum()
             tg = target[bi, ti, slots]
             ds = g[bi, ti] * (p * tg.sum() - tg)
             dw[bi, ti] = np.maximum(a, 0) @ ds
@@ -189,14 +198,10 @@ def indexer_signal(q, k, w, idx, lengths, target, scale):
     out = np.zeros(np.asarray(idx).shape)
     for bi in range(b):
         for ti in range(t):
-            valid = _valid_list(idx, lengths, k.shape[1], bi, ti)
-            if not valid:
+            token = _indexer_token(q, k, w, idx, lengths, scale, bi, ti)
+            if token is None:
                 continue
-            slots = [j for j, _ in valid]
-            a = scale * q[bi, ti] @ k[bi, [r for _, r in valid]].T  # [h, nv]
-            score = (w[bi, ti][:, None] * np.maximum(a, 0)).sum(0)
-            p = np.exp(score - score.max())
-            p /= p.sum()
+            slots, _, _, p = token
             tg = target[bi, ti, slots]
             out[bi, ti, slots] = p * tg.sum() - tg
     return out
