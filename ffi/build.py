@@ -70,6 +70,14 @@ def exports():
             for g in c.GROUPS:  # the grouped backward: atomic form only
                 out.append(("bwd", f"jax_dsa_bwd_g{g}_{dt}_d{d}", "bwd", "compile_bwd",
                             dict(spec, group=g)))
+            if d in c.EVICT_LAST_DIMS:  # the atomic forms with evict-last dKV REDs (`_el`)
+                el = dict(spec, red_evict_last=True)
+                out.append(("bwd", f"jax_dsa_bwd_{dt}_d{d}_el", "bwd", "compile_bwd", el))
+                out.append(("bwd2", f"jax_dsa_bwd_two_pool_{dt}_d{d}_el", "bwd",
+                            "compile_bwd_two_pool", el))
+                for g in c.GROUPS:
+                    out.append(("bwd", f"jax_dsa_bwd_g{g}_{dt}_d{d}_el", "bwd", "compile_bwd",
+                                dict(el, group=g)))
     for dt in DTYPES:  # the split forward's combine of its parts (d_v 512, any Dqk)
         out.append(("combine", f"jax_dsa_fwd_combine_{dt}", "fwd_combine",
                     "compile_fwd_combine", dict(dtype=dt)))

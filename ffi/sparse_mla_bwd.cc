@@ -1,7 +1,9 @@
 // XLA FFI handlers for the sparse MLA (DSA) backward on sm_90a.
 //
 // Kernels: ffi/kernels/sm90/bwd.py (exports jax_dsa_bwd_<dtype>_d<Dqk>, deterministic
-// jax_dsa_bwd_det_*, grouped jax_dsa_bwd_g<G>_*) and dkv_reduce.py (jax_dsa_dkv_reduce_d<Dqk>),
+// jax_dsa_bwd_det_*, grouped jax_dsa_bwd_g<G>_*; at Dqk in kEvictLastDims the atomic forms also
+// as *_el, with evict-last dKV REDs, run when dkv is at least kEvictLastMinDkvBytes) and
+// dkv_reduce.py (jax_dsa_dkv_reduce_d<Dqk>),
 // listed by ffi/build.py in JAX_DSA_BWD_SPECS / JAX_DSA_REDUCE_SPECS. Which form runs is the
 // caller's choice (jax_dsa.cute.config.BwdConfig): the plain, grouped (`group` attribute) or
 // deterministic handler.
@@ -151,6 +153,22 @@ std::string BwdName(const std::string& form, bool bf16, int64_t d_qk) {
   return "jax_dsa_bwd_" + form + (bf16 ? "bf16" : "f16") + "_d" + std::to_string(d_qk);
 }
 
+// The kernel `name`, or its `_el` build (dKV REDs with an L2 evict-last policy) where one was
+// built for this Dqk (kEvictLastDims) and the fp32 dkv accumulator holds at least
+// kEvictLastMinDkvBytes: past the L2 the policy keeps the lines of the rows in flight.
+template <typename Args>
+typename KernelTable<Args>::Launch FindAtomicBwd(KernelTable<Args>& table,
+                                                 const std::string& name, int64_t d_qk,
+                                                 size_t dkv_bytes) {
+  if (static_cast<int64_t>(dkv_bytes) >= kEvictLastMinDkvBytes) {
+    for (int64_t d : kEvictLastDims) {
+      if (d != d_qk) continue;
+      if (auto launch = table.Find(name + "_el")) return launch;
+    }
+  }
+  return table.Find(name);
+}
+
 // Checks every buffer the two handlers share and fills the launch arguments that do not
 // depend on the mode. Returns an error message or an empty string.
 std::string CheckBwd(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer idx,
@@ -241,7 +259,8 @@ ffi::Error RunAtomicBwd(const char* op, const std::string& form, cudaStream_t st
       CheckBwd(q, kv, idx, topk_length, lse, dout, o, coef, scale, dq, dkv, delta, &x, &a);
   if (!problem.empty()) return ffi::Error::InvalidArgument(std::string("jax_dsa ") + op + ": " + problem);
   const std::string name = BwdName(form, q.element_type() == ffi::DataType::BF16, x.D);
-  KernelTable<BwdArgs>::Launch launch = BwdKernels().Find(name);
+  KernelTable<BwdArgs>::Launch launch =
+      FindAtomicBwd(BwdKernels(), name, x.D, dkv->size_bytes());
   if (launch == nullptr)
     return ffi::Error::Internal(std::string("jax_dsa ") + op + ": no kernel " + name +
                                 " was built");
@@ -321,7 +340,8 @@ ffi::Error SparseMlaBwdTwoPool(cudaStream_t stream, int32_t device, ffi::AnyBuff
   y.rows_kv2 = x.B * s2;
   y.S1 = static_cast<int32_t>(x.S);
   const std::string name = BwdName("two_pool_", q.element_type() == ffi::DataType::BF16, x.D);
-  KernelTable<Bwd2Args>::Launch launch = Bwd2Kernels().Find(name);
+  KernelTable<Bwd2Args>::Launch launch =
+      FindAtomicBwd(Bwd2Kernels(), name, x.D, dkv->size_bytes());
   if (launch == nullptr)
     return ffi::Error::Internal(std::string("jax_dsa ") + op + ": no kernel " + name +
                                 " was built");

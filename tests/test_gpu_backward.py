@@ -25,6 +25,9 @@ CASES = [
     (2, 4, 100, 512, 900, 1152, True, "none"),
     (1, 4, 128, 576, 3000, 2048, True, "partial"),
     (1, 8, 128, 512, 100, 640, False, "partial"),  # many duplicates: K >> S
+    # dkv >= EVICT_LAST_MIN_DKV_BYTES at Dqk 512: the evict-last (`_el`) builds
+    (1, 8, 64, 512, 40000, 640, True, "partial"),
+    (2, 4, 128, 512, 20000, 1152, False, "full"),
 ]
 
 
@@ -70,7 +73,8 @@ GROUPED_CASES = {
         (1, 10, 32, 512, 100, 640, False, "none")],
     4: [(1, 16, 16, 512, 4096, 640, True, "partial"),
         (2, 8, 16, 576, 60, 48, True, "partial"),
-        (1, 12, 16, 512, 100, 640, False, "none")],
+        (1, 12, 16, 512, 100, 640, False, "none"),
+        (1, 16, 16, 512, 40000, 640, True, "partial")],  # dkv past the L2: the `_el` build
     8: [(1, 16, 8, 512, 4096, 640, True, "partial"),
         (2, 8, 8, 576, 60, 48, True, "partial"),
         (1, 24, 8, 512, 100, 640, False, "none")],
@@ -255,17 +259,20 @@ def test_reference_backward_with_deterministic_is_bitwise_reproducible_on_gpu():
             np.testing.assert_array_equal(np.asarray(g), g0, err_msg=name)
 
 
-@pytest.mark.parametrize("b,h,d", [(1, 128, 576), (2, 64, 512), (2, 100, 576), (1, 16, 512)],
-                         ids=["B1H128D576", "B2H64D512", "B2H100D576", "B1H16D512"])
-def test_two_pools_on_the_kernels_match_the_oracle(b, h, d):
+@pytest.mark.parametrize("b,h,d,s1", [(1, 128, 576, 600), (2, 64, 512, 600), (2, 100, 576, 600),
+                                      (1, 16, 512, 600), (1, 128, 512, 40000)],
+                         ids=["B1H128D576", "B2H64D512", "B2H100D576", "B1H16D512",
+                              "B1H128D512S40000"])
+def test_two_pools_on_the_kernels_match_the_oracle(b, h, d, s1):
     """sparse_mla(..., extra_kv=, extra_idx=, extra_topk_length=) on the kernels: o, lse and the
     gradients of q, both pools and the sink against the float64 oracle on the concatenated
     pool (the window over a raw KV next to a top-k over a compressed KV). B1H128D576 and
     B2H100D576 run the two pools in one softmax (the two-pool backward kernel), B2H64D512
-    combines one attention per pool, B1H16D512 runs grouped over the concatenation."""
+    combines one attention per pool, B1H16D512 runs grouped over the concatenation;
+    B1H128D512S40000's dkv outgrows the L2 (the evict-last two-pool build)."""
     _kernel_or_skip()
     rng = np.random.default_rng(b * 1000 + h + d)
-    p1 = make_problem(rng, b, 8, h, d, 600, 128, sink=True, topk="partial")  # window
+    p1 = make_problem(rng, b, 8, h, d, s1, 128, sink=True, topk="partial")  # window
     p2 = make_problem(rng, b, 8, h, d, 300, 640, topk="partial")  # compressed top-k
     q = jnp.asarray(p1.q, jnp.bfloat16)
     kv1, kv2 = jnp.asarray(p1.kv, jnp.bfloat16), jnp.asarray(p2.kv, jnp.bfloat16)

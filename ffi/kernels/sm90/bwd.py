@@ -76,7 +76,7 @@ DS_EMPTY = 2
 
 class SparseMlaBwdSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                 group: int = 1):
+                 group: int = 1, red_evict_last: bool = False):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -84,6 +84,10 @@ class SparseMlaBwdSm90:
         self.d_v = d_v
         self.rope = d_qk - d_v  # 0 or 64
         self.deterministic = deterministic
+        # The dKV REDs with an L2 evict-last policy: the `_el` exports at Dqk 512, which the
+        # handler runs when the fp32 dkv accumulator outgrows the L2 (the lines of the rows in
+        # flight then stay; docs/kernel_log.md, eleventh session).
+        self.red_evict_last = red_evict_last
         self.fold_scale = dtype is cutlass.BFloat16
         self.bm = 64  # heads per CTA
         self.bn = 64  # gathered KV rows per block
@@ -896,7 +900,7 @@ class SparseMlaBwdSm90:
                                         quads[i, 2], quads[i, 3])
                 else:
                     red_add_v4_f32_if(ok, row_ptrs[i] + 32 * g2, quads[i, 0], quads[i, 1],
-                                      quads[i, 2], quads[i, 3])
+                                      quads[i, 2], quads[i, 3], evict_last=self.red_evict_last)
 
     @cute.jit
     def _scatter(self, acc: cute.Tensor, lane: cutlass.Int32, rows: list, g_bases: list,
@@ -937,7 +941,8 @@ class SparseMlaBwdSm90:
                         if cutlass.const_expr(self.deterministic):
                             st_global_v4_f32(mDKV.iterator + off, v0, v1, v2, v3)
                         else:
-                            red_add_v4_f32(mDKV.iterator + off, v0, v1, v2, v3)
+                            red_add_v4_f32(mDKV.iterator + off, v0, v1, v2, v3,
+                                           evict_last=self.red_evict_last)
 
 
 # -------------------------------------------------------------------- AOT compile entry
@@ -947,8 +952,8 @@ class SparseMlaBwdTwoPoolSm90(SparseMlaBwdSm90):
     dkv has S = S1 + S2 rows; only the gather reads row r from kv2[b, r - S1] when r >= S1
     (_kv_source). Everything else is the one-pool kernel's."""
 
-    def __init__(self, dtype, d_qk: int, d_v: int = 512):
-        super().__init__(dtype, d_qk, d_v)
+    def __init__(self, dtype, d_qk: int, d_v: int = 512, red_evict_last: bool = False):
+        super().__init__(dtype, d_qk, d_v, red_evict_last=red_evict_last)
 
     @cute.jit
     def __call__(
@@ -1030,15 +1035,16 @@ class SparseMlaBwdTwoPoolSm90(SparseMlaBwdSm90):
                    dq1_mma, dqr_mma, dkv_mma, SharedStorage, (mKV2, S1))
 
 
-def compile_bwd_two_pool(dtype, d_qk: int, d_v: int = 512):
+def compile_bwd_two_pool(dtype, d_qk: int, d_v: int = 512, red_evict_last: bool = False):
     """Compile the two-pool backward with fake tensors (common.bwd_two_pool_fake_args)."""
-    return cute.compile(SparseMlaBwdTwoPoolSm90(dtype, d_qk, d_v),
+    return cute.compile(SparseMlaBwdTwoPoolSm90(dtype, d_qk, d_v, red_evict_last=red_evict_last),
                         *bwd_two_pool_fake_args(dtype, d_qk, d_v))
 
 
 def compile_bwd(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                group: int = 1, options: str | None = None):
+                group: int = 1, red_evict_last: bool = False, options: str | None = None):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
-    return cute.compile(SparseMlaBwdSm90(dtype, d_qk, d_v, deterministic, group=group),
+    return cute.compile(SparseMlaBwdSm90(dtype, d_qk, d_v, deterministic, group=group,
+                                                red_evict_last=red_evict_last),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))
