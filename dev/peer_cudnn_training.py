@@ -16,6 +16,14 @@ the end of S = 65536 positions; one KV pool: the S/4 = 16384 compressed rows; ea
   -> {'d_index_q', 'd_weights', 'd_index_k'} (bf16). It overwrites attn_score with the score
   gradient in place, so later calls read that as their target; the work does not depend on it.
 
+- attn_bwd: `sparse_attention_backward_wrapper(q [T,H,512] bf16, kv [S + S/4, 512] bf16, out,
+  dout, lse [T,H] fp32, sink [H] fp32, idx [T, 128 + topk] int32, softmax_scale)` -> {'dq',
+  'dkv', 'd_sink'}: the layer's sparse attention backward, its two pools as one (the peer takes
+  one pool): the raw rows [0, S) then the compressed rows from S on; each token's list = the
+  window of the 128 raw positions ending at it, then its topk compressed rows (those of the
+  indexer lists above, + S). out / lse (KV-only, natural log) from a chunked float32 torch
+  reference with the sink in the denominator, as the peer's API expects.
+
 Timing: CUDA events around the whole wrapper call (its allocations, the lse transpose and the
 score-gradient / dK-cast launches included); a warm-up call first (it compiles; its wall time is
 first_s), then 3 repetitions of 5 back-to-back calls, median per-call time in microseconds;
@@ -25,6 +33,8 @@ Needs torch and the cuDNN-frontend wheels on PYTHONPATH: nvidia-cudnn-frontend 1
 nvidia-cutlass-dsl with its libs (including `nvidia_cutlass_dsl/dsl_packages`), apache-tvm-ffi.
   PYTHONPATH=$W:$W/nvidia_cutlass_dsl/dsl_packages python3 dev/peer_cudnn_training.py [v4flash]
 Prints one RESULT line per kernel and shape (or RESULT ... FAILED <type>: <message>).
+A second argument names the pieces to run (comma-separated: score_recompute, indexer_bwd,
+attn_bwd; default all).
 """
 import statistics
 import sys
@@ -137,10 +147,50 @@ def random_distribution(idx, g):
     return torch.nan_to_num(x.softmax(-1), nan=0.0).contiguous()
 
 
-def run_shape(label, H, topk, g):
-    idx = make_indices(topk, g)
+@torch.no_grad()
+def reference_attention(q, kv, idx, sink, scale, chunk=128):
+    """(out [T, H, 512] bf16, KV-only natural-log lse [T, H] fp32) of sparse attention with a
+    sink in the softmax's denominator; every entry of idx is valid here."""
+    out = torch.empty((T, q.shape[1], 512), dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
+    for a in range(0, T, chunk):
+        ids = idx[a:a + chunk].long()
+        rows = kv.index_select(0, ids.reshape(-1)).view(*ids.shape, -1).float()
+        s = torch.einsum("thd,tkd->thk", q[a:a + chunk].float(), rows) * scale
+        lse[a:a + chunk] = torch.logsumexp(s, -1)
+        denom = torch.logaddexp(lse[a:a + chunk], sink[None, :])
+        p = torch.exp(s - denom[..., None])
+        out[a:a + chunk] = torch.einsum("thk,tkd->thd", p, rows[..., :512]).bfloat16()
+    return out, lse
 
-    # 1. score recompute (the indexer's KL target)
+
+def attention_backward(label, H, topk, idx, g):
+    """The layer's attention backward on the peer: both pools as one buffer (raw rows, then
+    the compressed rows from S on), window + compressed top-k lists."""
+    scale = D ** -0.5
+    q = (torch.randn((T, H, D), generator=g, device="cuda") * 0.5).bfloat16()
+    kv = torch.randn((S + ROWS, D), generator=g, device="cuda").bfloat16()
+    t = torch.arange(T, device="cuda")[:, None]
+    window = (S - T) + t - 127 + torch.arange(128, device="cuda")[None]
+    assert bool((idx[0] >= 0).all()), "every token sees more than topk compressed rows here"
+    lists = torch.cat([window, idx[0].long() + S], 1).int().contiguous()
+    sink = torch.randn((H,), generator=g, device="cuda")
+    dout = torch.randn((T, H, 512), generator=g, device="cuda").bfloat16()
+    out, lse = reference_attention(q, kv, lists, sink, scale)
+    backward = dsa_fn("sparse_attention_backward_wrapper")
+    res = bench("attn_bwd", label, H, 128 + topk, [
+        ("sparse_attention_backward_wrapper(q, kv, out, dout, lse, sink, idx, softmax_scale=)",
+         lambda: backward(q, kv, out, dout, lse, sink, lists, softmax_scale=scale)),
+    ])
+    if res is not None:
+        fin = all(bool(torch.isfinite(res[k]).all()) for k in ("dq", "dkv"))
+        print(f"CHECK cudnn attn_bwd {label}: finite={fin}", flush=True)
+    del q, kv, lists, sink, dout, out, lse, res
+    torch.cuda.empty_cache()
+
+
+def score_recompute(label, H, topk, idx, g):
+    """The indexer's KL target on the peer (one pool: the compressed rows)."""
     scale = D ** -0.5
     q = torch.randn((1, T, H, D), generator=g, device="cuda").bfloat16()
     kv = torch.randn((1, ROWS, D), generator=g, device="cuda").bfloat16()
@@ -159,8 +209,11 @@ def run_shape(label, H, topk, g):
               f"max_abs_err={(tgt - ref).abs().max().item():.2e} "
               f"max_target={ref.max().item():.2e}", flush=True)
     del q, kv, lse, ref, out
+    torch.cuda.empty_cache()
 
-    # 2. indexer backward (gradients of the indexer's KL loss)
+
+def indexer_backward(label, topk, idx, g):
+    """The gradients of the indexer's KL loss on the peer."""
     iq = torch.randn((1, T, HI, DI), generator=g, device="cuda").bfloat16()
     w = (torch.randn((1, T, HI), generator=g, device="cuda") * HI ** -0.5).bfloat16()
     ik = torch.randn((1, ROWS, DI), generator=g, device="cuda").bfloat16()
@@ -178,18 +231,32 @@ def run_shape(label, H, topk, g):
         fin = all(bool(torch.isfinite(out[k]).all()) for k in ("d_index_q", "d_weights",
                                                                 "d_index_k"))
         print(f"CHECK cudnn indexer_bwd {label}: finite={fin}", flush=True)
-    del iq, w, ik, attn, pred, out, idx
+    del iq, w, ik, attn, pred, out
+    torch.cuda.empty_cache()
+
+
+def run_shape(label, H, topk, g, pieces):
+    idx = make_indices(topk, g)
+    if "score_recompute" in pieces:
+        score_recompute(label, H, topk, idx, g)
+    if "indexer_bwd" in pieces:
+        indexer_backward(label, topk, idx, g)
+    if "attn_bwd" in pieces:
+        attention_backward(label, H, topk, idx, g)
+    del idx
     torch.cuda.empty_cache()
 
 
 def main():
-    only = sys.argv[1] if len(sys.argv) > 1 else None
+    only = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] != "all" else None
+    pieces = set((sys.argv[2] if len(sys.argv) > 2 else
+                  "score_recompute,indexer_bwd,attn_bwd").split(","))
     g = torch.Generator(device="cuda").manual_seed(0)
     print(f"NOTE torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     for label, H, topk in SHAPES:
         if only and only not in label:
             continue
-        run_shape(label, H, topk, g)
+        run_shape(label, H, topk, g, pieces)
 
 
 if __name__ == "__main__":
