@@ -76,6 +76,14 @@ def make_indices(topk, g, chunk=512):
     return out[None].contiguous()
 
 
+def chunk_scores(q, kv, ids, scale):
+    """(rows [t, k, D] float32, s = scale q rows^T [t, H, k], -inf at -1 entries) for a chunk
+    of tokens' lists ids [t, k]."""
+    rows = kv.index_select(0, ids.clamp(min=0).reshape(-1).long()).view(*ids.shape, -1).float()
+    s = torch.einsum("thd,tkd->thk", q.float(), rows) * scale
+    return rows, s.masked_fill((ids < 0)[:, None, :], float("-inf"))
+
+
 @torch.no_grad()
 def reference_lse(q, kv, idx, scale, chunk=128):
     """KV-only natural-log lse [1, T, H] over each token's valid entries, and the normalised
@@ -84,10 +92,7 @@ def reference_lse(q, kv, idx, scale, chunk=128):
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
     targets = []
     for a in range(0, T, chunk):
-        ids = idx[a:a + chunk]
-        rows = kv.index_select(0, ids.clamp(min=0).reshape(-1).long()).view(*ids.shape, -1)
-        s = torch.einsum("thd,tkd->thk", q[a:a + chunk].float(), rows.float()) * scale
-        s.masked_fill_((ids < 0)[:, None, :], float("-inf"))
+        _, s = chunk_scores(q[a:a + chunk], kv, idx[a:a + chunk], scale)
         lse[a:a + chunk] = torch.logsumexp(s, -1)
         if a < N_CHECK:
             p = torch.exp(s - lse[a:a + chunk, :, None]).sum(1)
@@ -154,9 +159,7 @@ def reference_attention(q, kv, idx, sink, scale, chunk=128):
     out = torch.empty((T, q.shape[1], 512), dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
     for a in range(0, T, chunk):
-        ids = idx[a:a + chunk].long()
-        rows = kv.index_select(0, ids.reshape(-1)).view(*ids.shape, -1).float()
-        s = torch.einsum("thd,tkd->thk", q[a:a + chunk].float(), rows) * scale
+        rows, s = chunk_scores(q[a:a + chunk], kv, idx[a:a + chunk], scale)
         lse[a:a + chunk] = torch.logsumexp(s, -1)
         denom = torch.logaddexp(lse[a:a + chunk], sink[None, :])
         p = torch.exp(s - denom[..., None])

@@ -218,8 +218,12 @@ def _v4_f32(op: str, ptr, vals, loc, ip):
          loc, ip)
 
 
-# red.global.add.v4.f32 with the L2 evict-last policy in register pol
-_RED_EVICT_LAST = "red.relaxed.gpu.global.add.L2::cache_hint.v4.f32 [$0], {$1, $2, $3, $4}, pol;"
+def _red_evict_last_asm(predicated: bool) -> str:
+    """red.global.add.v4.f32 [$0], {$1..$4} under an L2 evict-last policy made in the same block
+    (predicated: only where $5 != 0)."""
+    guard = ".reg .pred p; setp.ne.b32 p, $5, 0; @p " if predicated else ""
+    return ("{ .reg .b64 pol; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; " + guard
+            + "red.relaxed.gpu.global.add.L2::cache_hint.v4.f32 [$0], {$1, $2, $3, $4}, pol; }")
 
 
 @dsl_user_op
@@ -227,9 +231,8 @@ def red_add_v4_f32(ptr, a, b, c, d, *, evict_last: bool = False, loc=None, ip=No
     """red.global.add.v4.f32 [ptr], {a, b, c, d} (sm_90; ptr 16-byte aligned global memory);
     evict_last: with an L2 evict-last policy."""
     if evict_last:
-        _asm("{ .reg .b64 pol; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-             + _RED_EVICT_LAST + " }", "l,f,f,f,f", [_ir(ptr, loc, ip)] + _f32s((a, b, c, d), loc, ip),
-             loc, ip)
+        _asm(_red_evict_last_asm(False), "l,f,f,f,f",
+             [_ir(ptr, loc, ip)] + _f32s((a, b, c, d), loc, ip), loc, ip)
     else:
         _v4_f32("red.relaxed.gpu.global.add.v4.f32", ptr, (a, b, c, d), loc, ip)
 
@@ -251,8 +254,7 @@ def red_add_v4_f32_if(pred, ptr, a, b, c, d, *, evict_last: bool = False, loc=No
     """red_add_v4_f32 under a predicate (pred != 0) instead of a branch: ptr is not touched
     when pred is 0, so it may be any value then. evict_last: with an L2 evict-last policy."""
     if evict_last:
-        _asm("{ .reg .b64 pol; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-             ".reg .pred p; setp.ne.b32 p, $5, 0; @p " + _RED_EVICT_LAST + " }", "l,f,f,f,f,r",
+        _asm(_red_evict_last_asm(True), "l,f,f,f,f,r",
              [_ir(ptr, loc, ip)] + _f32s((a, b, c, d), loc, ip)
              + [cutlass.Int32(pred).ir_value(loc=loc, ip=ip)], loc, ip)
     else:
