@@ -7,7 +7,8 @@ registers, spills, local memory and the SASS instructions that matter.
 
 OP is one of ffi/build.py's ops (fwd, fwd_split, combine, fwd2, bwd, bwd2, reduce, union,
 indexer, select, target, loss_fwd, loss_bwd); default: all. Every export of ffi/build.py's
-table is compiled for sm_90a keeping the cubin (CUTE_DSL_KEEP=cubin) and exported into --out
+table is compiled for sm_90a keeping the cubin (CUTE_DSL_KEEP=cubin; CHECK_KEEP=ptx,cubin keeps the
+PTX too, under --out/dump) and exported into --out
 (nothing in the source tree is written), then
   * cuobjdump --dump-resource-usage: registers, stack frame, local memory per kernel function;
   * nvdisasm: counts of HGMMA / HMMA, LDGSTS, SYNCS (mbarrier), BAR, UBLKRED (TMA bulk reduce),
@@ -91,7 +92,7 @@ def main():
     dump = os.path.join(out, "dump")
     os.makedirs(dump)
     os.environ["CUTE_DSL_ARCH"] = "sm_90a"
-    os.environ["CUTE_DSL_KEEP"] = "cubin"
+    os.environ["CUTE_DSL_KEEP"] = os.environ.get("CHECK_KEEP", "cubin")
     os.environ["CUTE_DSL_DUMP_DIR"] = dump
     cuobjdump, nvdisasm = find_tool("cuobjdump"), find_tool("nvdisasm")
     log(f"cuobjdump: {cuobjdump}, nvdisasm: {nvdisasm}")
