@@ -75,7 +75,7 @@ for step in "${steps[@]}"; do
       grep "B=" "$out/bench_decode.log" ;;
     profile)  # ncu, one launch per kernel and shape (dev/profile_case.py), headline metrics
       rc=0
-      for c in "fwd 64 sparse_mla_fwd" "fwd 16 sparse_mla_fwd" "bwd 64 sparse_mla_bwd" "bwd 16 sparse_mla_bwd"; do
+      for c in "fwd 64 SparseMlaFwd" "fwd 16 SparseMlaFwd" "bwd 64 SparseMlaBwd" "bwd 16 SparseMlaBwd"; do
         set -- $c
         timeout 120 ncu --clock-control none --launch-skip 1 --launch-count 1 --kernel-name "regex:$3" \
           --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
@@ -86,7 +86,7 @@ for step in "${steps[@]}"; do
       done ;;
     hotlines)  # ncu source counters: the SASS lines where the warps wait (dev/ncu_hot_lines.py)
       rc=0
-      for c in "fwd 64 0 sparse_mla_fwd" "bwd 64 512 sparse_mla_bwd"; do
+      for c in "fwd 64 0 SparseMlaFwd" "bwd 64 512 SparseMlaBwd"; do
         set -- $c
         timeout 150 ncu --clock-control none --launch-skip 1 --launch-count 1 --kernel-name "regex:$4" \
           --section SourceCounters --section WarpStateStats -o "$out/src_$1_h$2_k$3" -f \

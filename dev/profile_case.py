@@ -2,12 +2,13 @@
 """Run one benchmark shape a few times, for a profiler (jax_dsa/_lib must be built):
 
     python dev/profile_case.py fwd|bwd H TOPK
-    ncu --clock-control none --launch-skip 1 --launch-count 1 --kernel-name regex:sparse_mla_fwd \\
+    ncu --clock-control none --launch-skip 1 --launch-count 1 --kernel-name regex:SparseMlaFwd \\
         --section SpeedOfLight --section MemoryWorkloadAnalysis python dev/profile_case.py fwd 64 512
 
 Inputs are examples/benchmark.py's (T = S = 4096, D = 512, window 128 + TOPK random rows, so
-K = 128 + TOPK). "bwd" runs jax.grad, i.e. the forward and then the backward kernel (its name
-contains sparse_mla_bwd). A kernel other than the default: edit the call to pass config= (jax_dsa.cute.Config).
+K = 128 + TOPK). "bwd" runs jax.grad, i.e. the forward and then the backward kernel (its class name
+contains SparseMlaBwd; the forward's SparseMlaFwd). A kernel other than the default: edit the
+call to pass config= (jax_dsa.cute.Config).
 `bash dev/gpu_validate.sh profile` profiles the default shapes with the sections that matter.
 """
 import os
