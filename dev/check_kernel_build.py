@@ -7,9 +7,9 @@ registers, spills, local memory and the SASS instructions that matter.
 
 OP is one of ffi/build.py's ops (fwd, fwd_split, combine, fwd2, bwd, bwd2, reduce, union,
 indexer, select, target, loss_fwd, loss_bwd); default: all. Every export of ffi/build.py's
-table is compiled for sm_90a keeping the cubin (CUTE_DSL_KEEP=cubin; CHECK_KEEP=ptx,cubin keeps the
-PTX too, under --out/dump) and exported into --out
-(nothing in the source tree is written), then
+table is compiled for sm_90a keeping the cubin (CUTE_DSL_KEEP=cubin; CHECK_KEEP=ptx,cubin keeps
+the PTX too, under --out/dump) and exported into --out (nothing in the source tree is written),
+then
   * cuobjdump --dump-resource-usage: registers, stack frame, local memory per kernel function;
   * nvdisasm: counts of HGMMA / HMMA, LDGSTS, SYNCS (mbarrier), BAR, UBLKRED (TMA bulk reduce),
     WARPGROUP.DEPBAR (one after every HGMMA, or more than one per two HGMMA, means ptxas
