@@ -1,5 +1,6 @@
 // Microbenchmark: the backward's dKV scatter as per-thread red.global.add.v4.f32 (today's
-// kernel: each warp instruction 4 rows x 128 B) against bulk reductions from shared memory
+// kernel: each warp instruction 4 rows x 128 B; or 16 rows x 32 B, the shape a wgmma fragment
+// gives without the shared-memory round trip) against bulk reductions from shared memory
 // (cp.reduce.async.bulk.global.shared::cta.add.f32, one 256-byte op per row and 64-column
 // chunk, issued by one thread, completed by the copy engine), on the H = 128 workload's rows:
 // T tokens, each a list of a 128-row window ending at its position plus random rows of [0, S),
@@ -39,6 +40,28 @@ __global__ void scatter_red(float* dkv, const int* idx, int K, int dup) {
           for (int half = 0; half < 2; ++half)
             red_v4(dkv + (size_t)row * D + c + half * 32 + (lane % 8) * 4, v);
       }
+    }
+  }
+}
+
+// The register-fragment form: the v4 RED as a wgmma accumulator fragment gives it after one
+// lane-pair shuffle (not timed here): per 16-row slab and 8-column group, lane l holds 4 floats
+// of row l / 4 + 8 (l % 2) at columns 4 ((l % 4) / 2) of the group, so one instruction = 16 rows
+// x 32 B, with no shared-memory round trip before it.
+template <int D>
+__global__ void scatter_red_frag(float* dkv, const int* idx, int K, int dup) {
+  const int* list = idx + (size_t)(blockIdx.x / dup) * K;
+  int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float4 v = make_float4(1.f, 1.f, 1.f, 1.f);
+  for (int blk = 0; blk < K; blk += 64) {
+    int r = blk + warp * 16 + lane / 4 + 8 * (lane % 2);
+    int row = r < K ? list[r] : -1;
+#pragma unroll 1
+    for (int c = 0; c < D; c += 64) {
+      if (row >= 0)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          red_v4(dkv + (size_t)row * D + c + 8 * j + 4 * ((lane % 4) / 2), v);
     }
   }
 }
@@ -96,9 +119,11 @@ void measure(int T, int K, int S, bool check) {
   for (int dup : {1, 2}) {
     double gb = (double)T * dup * K * D * 4 / 1e9;
     float tr = median_ms([&] { scatter_red<D><<<T * dup, 128>>>(dkv, idx, K, dup); }, 5);
+    float tf = median_ms([&] { scatter_red_frag<D><<<T * dup, 128>>>(dkv, idx, K, dup); }, 5);
     float tb = median_ms([&] { scatter_bulk<D><<<T * dup, 128>>>(dkv, idx, K, dup); }, 5);
-    printf("T %d K %d D %d S %6d dup %d (%.2f GB): red.v4 %.3f ms (%.0f GB/s) | bulk 256 B "
-           "%.3f ms (%.0f GB/s)\n", T, K, D, S, dup, gb, tr, gb / tr * 1e3, tb, gb / tb * 1e3);
+    printf("T %d K %d D %d S %6d dup %d (%.2f GB): red.v4 4x128 B %.3f ms (%.0f GB/s) | "
+           "red.v4 16x32 B %.3f ms (%.0f GB/s) | bulk 256 B %.3f ms (%.0f GB/s)\n", T, K, D, S,
+           dup, gb, tr, gb / tr * 1e3, tf, gb / tf * 1e3, tb, gb / tb * 1e3);
   }
   if (check) {  // the two forms add the same values: one run each from zero
     std::vector<float> a((size_t)S * D), b((size_t)S * D);
@@ -110,8 +135,12 @@ void measure(int T, int K, int S, bool check) {
     cudaMemcpy(b.data(), dkv, b.size() * 4, cudaMemcpyDeviceToHost);
     size_t bad = 0;
     for (size_t i = 0; i < a.size(); ++i) bad += a[i] != b[i];
-    printf("  forms agree on %zu of %zu values; %s\n", a.size() - bad, a.size(),
-           cudaGetErrorString(cudaGetLastError()));
+    cudaMemset(dkv, 0, (size_t)S * D * 4);
+    scatter_red_frag<D><<<T, 128>>>(dkv, idx, K, 1);
+    cudaMemcpy(b.data(), dkv, b.size() * 4, cudaMemcpyDeviceToHost);
+    for (size_t i = 0; i < a.size(); ++i) bad += a[i] != b[i];
+    printf("  the three forms agree on %zu of %zu values; %s\n", 2 * a.size() - bad,
+           2 * a.size(), cudaGetErrorString(cudaGetLastError()));
   }
   cudaFree(idx);
   cudaFree(dkv);
