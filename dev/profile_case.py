@@ -1,13 +1,14 @@
 #!/usr/bin/env python
 """Run one benchmark shape a few times, for a profiler (jax_dsa/_lib must be built):
 
-    python dev/profile_case.py fwd|bwd H TOPK
+    python dev/profile_case.py fwd|bwd H TOPK [S]
     ncu --clock-control none --launch-skip 1 --launch-count 1 --kernel-name regex:SparseMlaFwd \\
         --section SpeedOfLight --section MemoryWorkloadAnalysis python dev/profile_case.py fwd 64 512
 
 Inputs are examples/benchmark.py's (T = S = 4096, D = 512, window 128 + TOPK random rows, so
-K = 128 + TOPK). "bwd" runs jax.grad, i.e. the forward and then the backward kernel (its class name
-contains SparseMlaBwd; the forward's SparseMlaFwd). A kernel other than the default: edit the
+K = 128 + TOPK; with S, the 4096 queries are the last positions of a sequence of S). "bwd" runs
+jax.grad, i.e. the forward and then the backward kernel (its class name contains SparseMlaBwd;
+the forward's SparseMlaFwd). A kernel other than the default: edit the
 call to pass config= (jax_dsa.cute.Config).
 `bash dev/gpu_validate.sh profile` profiles the default shapes with the sections that matter.
 """
@@ -27,7 +28,8 @@ from benchmark import make_inputs  # noqa: E402
 
 def main():
     which, heads, topk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    q, kv, idx, sink, _ = make_inputs(heads, topk, 4096)
+    seq = int(sys.argv[4]) if len(sys.argv) > 4 else None
+    q, kv, idx, sink, _ = make_inputs(heads, topk, 4096, seq)
     if which == "fwd":
         fn = jax.jit(lambda q, kv, sink: jax_dsa.sparse_mla(q, kv, idx, sink=sink))
     elif which == "bwd":
