@@ -162,6 +162,8 @@ def main(argv=None):
     parser.add_argument("--deterministic-long", action="store_true",
                         help="with --long: also the deterministic backward (cute-det)")
     parser.add_argument("--heads", default="", help="comma-separated head counts to keep (default: all)")
+    parser.add_argument("--shapes", default="",
+                        help="comma-separated label prefixes to keep, e.g. 'V4-Pro,V4-Flash S=8K'")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--impls", default=None,
                         help="comma-separated: cute, cute-det, xla (default: cute,xla, or xla "
@@ -206,6 +208,8 @@ def main(argv=None):
             impls.append("cute-det")
     if args.heads:
         shapes = [s for s in shapes if str(s[1]) in args.heads.split(",")]
+    if args.shapes:
+        shapes = [s for s in shapes if any(s[0].startswith(p) for p in args.shapes.split(","))]
     rows = []
     passes_list = args.passes.split(",")
     total, done = len(shapes) * len(passes_list) * len(impls), 0
