@@ -18,8 +18,9 @@ address depends on the pool, _kv_source).
 
 Grid (n_tok tokens from t_begin x ceil(H / 64) head blocks, a token's head blocks adjacent),
 256 threads = 2 warpgroups, one CTA
-per SM (up to 255 registers a thread). Prologue: Q and dO to shared memory, block 0 gathered,
-delta per row. Per 64-row KV block n:
+per SM (up to 255 registers a thread). Prologue: the loads nothing waits for first (block 0's
+indices, WG0's lse / coef), Q and dO to shared memory, block 0 gathered, delta per row. Per
+64-row KV block n:
   * WG0: S = Q K^T and dP = dO V^T (wgmma 64x64x16), dS; the 16-bit P and dS tiles to shared
     memory (arrives ds_full); dQ[:, :256] += dS K with dS as the register A operand; refills
     columns [0, 256) with block n + 1; dKV chunks [0, wg0_chunks).
@@ -417,6 +418,29 @@ class SparseMlaBwdSm90:
         sDelta = storage.sDelta.get_tensor(cute.make_layout(bm))
         mbar = storage.mbar.data_ptr()
 
+        # The prologue's global loads that nothing else waits for go first, so their latencies
+        # overlap the Q / dO copies instead of following each other: block 0's indices (bounded
+        # by K, not by the valid length, whose load they would otherwise wait for; masked below)
+        # and the lse / coef of WG0's accumulator rows (used after delta).
+        grow, gsub, idx_r = self._gather_mapping(gtid)
+        load_block_indices(mIdx, idx_r, 0, K, idx_base, grow, *self._idx_walk)
+        tScS_rows = acc_mn_view(
+            sdp_mma.get_slice(gtid).partition_C(cute.make_identity_tensor((bm, bn))))
+        n_rows = cute.size(tScS_rows, mode=[0])
+        pre_lse = cute.make_rmem_tensor(n_rows, cutlass.Float32)
+        pre_c = cute.make_rmem_tensor(n_rows, cutlass.Float32)
+        pre_dlse = cute.make_rmem_tensor(n_rows, cutlass.Float32)
+        for r in cutlass.range_constexpr(n_rows):
+            h = h0 + tScS_rows[r, 0][0]
+            pre_lse[r] = -cutlass.Float32.inf
+            pre_c[r] = cutlass.Float32(0.0)
+            pre_dlse[r] = cutlass.Float32(0.0)
+            if h < H:
+                rq = bt * cutlass.Int64(H) + cutlass.Int64(h)
+                pre_lse[r] = mLse[rq]
+                pre_c[r] = mCoef[rq * 2]
+                pre_dlse[r] = mCoef[rq * 2 + 1]
+
         if tidx == 0:
             cute.arch.mbarrier_init(mbar + KV_FULL, 2 * self.threads)
             cute.arch.mbarrier_init(mbar + DS_FULL, 128)
@@ -448,10 +472,11 @@ class SparseMlaBwdSm90:
         cute.arch.sync_threads()  # mbarrier inits visible before any arrive
 
         # ---- block 0's indices and gather --------------------------------------------------
-        grow, gsub, idx_r = self._gather_mapping(gtid)
         kv_src = self._kv_source(mKV, pool2, b, S)
         g_dbase = storage.sKV.data_ptr().toint() + grow * 128 + ((gsub ^ (grow % 8)) * 16)
-        load_block_indices(mIdx, idx_r, 0, k_eff, idx_base, grow, *self._idx_walk)
+        for p in cutlass.range_constexpr(self.g_passes):  # entries past the valid length
+            if grow + self.g_rows * p >= k_eff:
+                idx_r[p] = cutlass.Int32(-1)
         if n_blocks > 0:
             if wg == 0:
                 self._gather(kv_src, g_dbase, idx_r, S, kv_batch, grow, gsub, 0,
@@ -513,7 +538,6 @@ class SparseMlaBwdSm90:
             acc_dQ.fill(0.0)
             acc_shape = thr_sdp.partition_shape_C((bm, bn))
             tScS = acc_mn_view(thr_sdp.partition_C(cute.make_identity_tensor((bm, bn))))
-            n_rows = cute.size(tScS, mode=[0])
             n_cols = cute.size(tScS, mode=[1])
             # per-row constants: lse*log2e (+inf: p~ = 0 for dead / padded rows), c,
             # D' = c * delta - dlse
@@ -526,17 +550,13 @@ class SparseMlaBwdSm90:
             if cutlass.const_expr(not self.fold_scale):
                 p_mul = 1.0 / scale
             for r in cutlass.range_constexpr(n_rows):
-                h = h0 + tScS[r, 0][0]
                 lse2 = cutlass.Float32.inf
                 cc = cutlass.Float32(0.0)
                 dd = cutlass.Float32(0.0)
-                if h < H:
-                    rq = bt * cutlass.Int64(H) + cutlass.Int64(h)
-                    lse = mLse[rq]
-                    if lse > -cutlass.Float32.inf:
-                        lse2 = lse * LOG2_E
-                        cc = mCoef[rq * 2]
-                        dd = cc * sDelta[tScS[r, 0][0]] - mCoef[rq * 2 + 1]
+                if pre_lse[r] > -cutlass.Float32.inf:  # padded heads kept -inf
+                    lse2 = pre_lse[r] * LOG2_E
+                    cc = pre_c[r]
+                    dd = cc * sDelta[tScS[r, 0][0]] - pre_dlse[r]
                 row_lse[r] = lse2
                 row_c[r] = cc
                 row_d[r] = dd
