@@ -8,8 +8,8 @@
 Inputs are examples/benchmark.py's (T = S = 4096, D = 512, window 128 + TOPK random rows, so
 K = 128 + TOPK; with S, the 4096 queries are the last positions of a sequence of S). "bwd" runs
 jax.grad, i.e. the forward and then the backward kernel (its class name contains SparseMlaBwd;
-the forward's SparseMlaFwd). A kernel other than the default: edit the
-call to pass config= (jax_dsa.cute.Config).
+the forward's SparseMlaFwd). A kernel other than the default: edit the call to pass config=
+(jax_dsa.cute.Config).
 `bash dev/gpu_validate.sh profile` profiles the default shapes with the sections that matter.
 """
 import os

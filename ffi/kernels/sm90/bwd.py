@@ -424,14 +424,15 @@ class SparseMlaBwdSm90:
         # and the lse / coef of WG0's accumulator rows (used after delta).
         grow, gsub, idx_r = self._gather_mapping(gtid)
         load_block_indices(mIdx, idx_r, 0, K, idx_base, grow, *self._idx_walk)
-        tScS_rows = acc_mn_view(
+        # (row, column) of each S / dP accumulator value of this thread (WG0's layout)
+        tScS = acc_mn_view(
             sdp_mma.get_slice(gtid).partition_C(cute.make_identity_tensor((bm, bn))))
-        n_rows = cute.size(tScS_rows, mode=[0])
+        n_rows = cute.size(tScS, mode=[0])
         pre_lse = cute.make_rmem_tensor(n_rows, cutlass.Float32)
         pre_c = cute.make_rmem_tensor(n_rows, cutlass.Float32)
         pre_dlse = cute.make_rmem_tensor(n_rows, cutlass.Float32)
         for r in cutlass.range_constexpr(n_rows):
-            h = h0 + tScS_rows[r, 0][0]
+            h = h0 + tScS[r, 0][0]
             pre_lse[r] = -cutlass.Float32.inf
             pre_c[r] = cutlass.Float32(0.0)
             pre_dlse[r] = cutlass.Float32(0.0)
@@ -537,7 +538,6 @@ class SparseMlaBwdSm90:
             acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((bm, self.split_col)))
             acc_dQ.fill(0.0)
             acc_shape = thr_sdp.partition_shape_C((bm, bn))
-            tScS = acc_mn_view(thr_sdp.partition_C(cute.make_identity_tensor((bm, bn))))
             n_cols = cute.size(tScS, mode=[1])
             # per-row constants: lse*log2e (+inf: p~ = 0 for dead / padded rows), c,
             # D' = c * delta - dlse
