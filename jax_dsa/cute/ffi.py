@@ -233,7 +233,7 @@ def _bwd_shapes(q, kv_rows: int):
 
 
 def _dkv_logical(dkv):
-    """The backward kernels at Dqk in PERMUTED_DKV_DIMS (576) add dkv in a permuted column
+    """The backward kernels at Dqk in PERMUTED_DKV_DIMS (all) add dkv in a permuted column
     order (each 16 columns 8 g0 + 2 s + c stored at 4 s + 2 g0 + c, so that a lane's values are
     contiguous: ffi/kernels/sm90/scatter_layout.permuted_column); this restores the logical
     order (a transpose that XLA fuses with the caller's cast). Other dims are logical already."""

@@ -17,35 +17,34 @@ list numbers kv's rows then kv2's from S1 on, dkv holds both, and only the gathe
 address depends on the pool, _kv_source).
 
 Grid (n_tok tokens from t_begin x ceil(H / 64) head blocks, a token's head blocks adjacent),
-256 threads = 2 warpgroups, one CTA
-per SM (up to 255 registers a thread). Prologue: the loads nothing waits for first (block 0's
-indices, WG0's lse / coef), Q and dO to shared memory, block 0 gathered, delta per row. Per
-64-row KV block n:
+256 threads = 2 warpgroups, one CTA per SM (up to 255 registers a thread). Prologue: the loads
+nothing waits for first (block 0's indices, WG0's lse / coef), Q and dO to shared memory, block 0
+gathered, delta per row. Per 64-row KV block n:
   * WG0: S = Q K^T and dP = dO V^T (wgmma 64x64x16), dS; the 16-bit P and dS tiles to shared
     memory (arrives ds_full); dQ[:, :256] += dS K with dS as the register A operand; refills
-    columns [0, 256) with block n + 1; dKV chunks [0, wg0_chunks).
+    columns [0, 256) with block n + 1; dKV chunks [0, wg0_chunks) (none at Dqk 512, 3 at 576).
   * WG1: dQ[:, 256:Dqk] += dS K (both operands in shared memory, rope part included); refills
-    columns [256, Dqk); dKV chunks [wg0_chunks, n_ch); arrives ds_empty.
+    columns [256, Dqk); dKV chunks [wg0_chunks, n_ch); arrives ds_empty once the last chunk's
+    MMA is done, before its scatter.
   Each column range is refilled by its last reader, so the single stage needs no "kv empty"
   barrier and block n + 1's gather runs under block n's dKV chunks. A dKV chunk (64 rows x 64
   columns) is a wgmma over MN-major views of the resident tiles with ceil(live heads / 16)
   k-steps (one of four straight-line sequences: a wgmma under a runtime condition would be
-  serialized), then an exchange inside the warp (Dqk 512: a transpose through a shared-memory
-  scratch; 576: one shuffle per value pair into a permuted column layout that the Python
-  wrapper undoes; scatter_layout.py) so that each red.global.add.v4.f32 (deterministic:
-  st.global.v4.f32) of a warp covers 4 rows x 128 contiguous bytes. At Dqk 512 the chunks form
-  one rolling pipeline, chunk c + 1's MMA running under chunk c's scatter.
+  serialized), then one shuffle per value pair inside the warp into a permuted column layout
+  that the Python wrapper undoes (scatter_layout.py), so that each red.global.add.v4.f32
+  (deterministic: st.global.v4.f32) of a warp covers 4 rows x 128 contiguous bytes. At Dqk 512
+  the chunks form one rolling pipeline, chunk c + 1's MMA running under chunk c's scatter.
 Shared memory: Q 72 KB + dO 64 KB + one KV stage 72 KB + P and dS 16 KB + row slots = 224.5 KB
-at Dqk 576; 208.5 KB plus the 16 KB scatter scratch at 512. No spills, no local memory and no
-serialized wgmma (dev/check_kernel_build.py fails otherwise); no ACCUMULATE flag depends on a
-runtime condition. Scaling: bf16 folds scale into dS before rounding; fp16 keeps dS unscaled,
-stores P as c p~ / scale, and multiplies dQ and dKV by scale in fp32.
+at Dqk 576, 208.5 KB at 512. No spills, no local memory and no serialized wgmma
+(dev/check_kernel_build.py fails otherwise); no ACCUMULATE flag depends on a runtime condition.
+Scaling: bf16 folds scale into dS before rounding; fp16 keeps dS unscaled, stores P as
+c p~ / scale, and multiplies dQ and dKV by scale in fp32.
 Invariants: heads h >= H are zero rows of Q / dO (never read from global, p~ = 0, never
 stored); dead rows get zero gradients; invalid entries (j >= min(K, topk_length), idx < 0,
 idx >= S) are zero-filled rows with p~ = 0 and no RED or store; all offsets are 64-bit.
 
-Why one long file: the gather, both dQ halves, the dKV chunk pipeline, the two scatter forms
-and the plain, deterministic and grouped forms are one kernel body, specialized at compile time
+Why one long file: the gather, both dQ halves, the dKV chunk pipeline, the scatter and the
+plain, deterministic and grouped forms are one kernel body, specialized at compile time
 (const_expr), so every export comes from one source and the forms cannot drift apart. The
 pipeline derivation and the per-block cost model: docs/kernel_log.md, "Design notes moved from
 the kernel modules". Entry point: compile_bwd(dtype, d_qk, deterministic=, group=, options=),
@@ -64,9 +63,8 @@ from jax_dsa.cute.constants import MEMBER_SHIFT as GROUP_SHIFT, PERMUTED_DKV_DIM
 from .common import (LOG2_E, acc_mn_view, bwd_fake_args, bwd_two_pool_fake_args, chunk16,
                      compile_options,
                      cp_async_16_zfill, gather_source, load_block_indices, red_add_v4_f32,
-                     red_add_v4_f32_if, st_global_v4_f32, st_global_v4_f32_if)
-from .scatter_layout import (SCRATCH_BYTES, SCRATCH_WARP_FLOATS, pair_rows_exchange,
-                             scratch_offset)
+                     st_global_v4_f32)
+from .scatter_layout import pair_rows_exchange
 
 
 # mbarrier slots
@@ -105,12 +103,12 @@ class SparseMlaBwdSm90:
         self.n_ch = d_qk // 64  # dKV 64-column chunks (9 or 8)
         self.skip_heads = True  # issue only ceil(live heads / 16) dKV k-steps
         # dKV chunks [0, wg0_chunks) are computed by WG0 (after its dQ half and its gather), the
-        # rest by WG1; 3 balances the two groups at both head dims (docs/kernel_log.md).
-        self.wg0_chunks = 3
-        # At Dqk 512 the scatter transposes each chunk through a 2 KB shared-memory scratch per
-        # warp (_scatter_smem, logical column order); Dqk 576 has no room for the 16 KB and
-        # writes the permuted column layout with one shuffle per value pair (_scatter).
-        self.smem_scatter = d_qk not in PERMUTED_DKV_DIMS
+        # rest by WG1: all 8 at Dqk 512 (WG1 releases P / dS before the last chunk's scatter),
+        # 3 of 9 at 576 (docs/kernel_log.md).
+        self.wg0_chunks = 0 if d_qk == 512 else 3
+        # dkv is added in the permuted column layout (scatter_layout.permuted_column), which
+        # the Python wrapper undoes
+        assert d_qk in PERMUTED_DKV_DIMS
         # Grouped: the 64 head rows are `group` consecutive tokens of 64 / group
         # heads each, and idx is the group's merged list (jax_dsa.cute.grouping.group_lists) with
         # the membership bits from bit GROUP_SHIFT up (grouping.pack_entries): head row i sees an
@@ -196,8 +194,7 @@ class SparseMlaBwdSm90:
         dqr_mma = sm90_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, F32, (1, 1, 1), (64, 64))
         dkv_mma = sm90_utils.make_trivial_tiled_mma(dt, dt, MN_, MN_, F32, (1, 1, 1), (64, 64))
 
-        smem_bytes = SharedStorage.size_in_bytes() + (
-            SCRATCH_BYTES + 1024 if self.smem_scatter else 0)  # (+ 1 KB: alignment padding)
+        smem_bytes = SharedStorage.size_in_bytes()
         return ((k_atom.inner, sQ_layout.outer, sDO_layout.outer, sKV_layout.outer,
                  sT_layout.outer, sKt_layout.outer, sTt_layout.outer, sO_layout, sOh_layout,
                  sOr_layout, sdp_mma, dq0_mma, dq1_mma, dqr_mma, dkv_mma, SharedStorage),
@@ -398,10 +395,6 @@ class SparseMlaBwdSm90:
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        scr = None  # _scatter_smem's scratch, this warpgroup's 4 x 2 KB
-        if cutlass.const_expr(self.smem_scatter):
-            scr = smem.allocate_array(cutlass.Float32, SCRATCH_BYTES // 4, byte_alignment=16)
-            scr = scr + cute.assume((tidx // 128) * (4 * SCRATCH_WARP_FLOATS), divby=512)
         q_base = storage.sQ.data_ptr()
         q_sw = cute.recast_ptr(q_base, swizzle_=swz)
         do_sw = cute.recast_ptr(storage.sDO.data_ptr(), swizzle_=swz)
@@ -642,7 +635,7 @@ class SparseMlaBwdSm90:
                 if cutlass.const_expr(self.wg0_chunks > 0):
                     self._dkv_block(dkv_mma, gtid, ds_sw, p_sw, q_sw, do_sw, sTt_layout, sRow,
                                     slot, blk, bt32, t_begin, K, kv_batch, hb, n_hb, kh, scale,
-                                    mDKV, 0, self.wg0_chunks, scr)
+                                    mDKV, 0, self.wg0_chunks)
 
             # dQ staging (after the final CTA barrier below)
             cute.arch.sync_threads()
@@ -660,7 +653,7 @@ class SparseMlaBwdSm90:
             self._wg1(dq1_mma, dqr_mma, dkv_mma, gtid, sDS, kv_sw, sKt_layout, sTt_layout,
                       n_blocks, mIdx, idx_r, k_eff, idx_base, grow, mbar, kv_src, g_dbase, S,
                       kv_batch, gsub, sRow, ds_sw, p_sw, q_sw, do_sw, bt32, t_begin, K, hb,
-                      n_hb, kh, scale, mDKV, scr, q_base, sOh_layout, sOr_layout)
+                      n_hb, kh, scale, mDKV, q_base, sOh_layout, sOr_layout)
 
         # ---- epilogue: dQ rows (live heads only) -------------------------------------------
         cute.arch.sync_threads()
@@ -677,7 +670,7 @@ class SparseMlaBwdSm90:
     def _wg1(self, dq1_mma, dqr_mma, dkv_mma, gtid, sDS, kv_sw, sKt_layout, sTt_layout,
              n_blocks, mIdx, idx_r, k_eff, idx_base, grow, mbar, kv_src, g_dbase, S, kv_batch,
              gsub, sRow, ds_sw, p_sw, q_sw, do_sw, bt32, t_begin, K, hb, n_hb, kh, scale, mDKV,
-             scr, q_base, sOh_layout, sOr_layout):
+             q_base, sOh_layout, sOr_layout):
         """WG1's block loop: per block the dQ half on KV columns [256, Dqk), the refill of those
         columns with the next block, this block's dKV chunks [wg0_chunks, n_ch); then its dQ
         half staged in shared memory for the epilogue."""
@@ -729,12 +722,11 @@ class SparseMlaBwdSm90:
                 cute.arch.cp_async_mbarrier_arrive_noinc(mbar + KV_FULL)
                 cute.arch.mbarrier_arrive(mbar + KV_FULL)
 
-            # dKV chunks [wg0_chunks, n_ch) of this block
+            # dKV chunks [wg0_chunks, n_ch) of this block; arrives ds_empty once their MMAs
+            # are done (this block's P / dS tiles and sRow slot are free again)
             self._dkv_block(dkv_mma, gtid, ds_sw, p_sw, q_sw, do_sw, sTt_layout, sRow, slot,
                             blk, bt32, t_begin, K, kv_batch, hb, n_hb, kh, scale, mDKV,
-                            self.wg0_chunks, self.n_ch, scr)
-            # this block's P / dS tiles and sRow slot are free again
-            cute.arch.mbarrier_arrive(mbar + DS_EMPTY)
+                            self.wg0_chunks, self.n_ch, release=mbar + DS_EMPTY)
 
         cute.arch.sync_threads()
         if cutlass.const_expr(not self.fold_scale):
@@ -764,11 +756,13 @@ class SparseMlaBwdSm90:
                    t_begin: cutlass.Int32, K: cutlass.Int32, kv_batch: cutlass.Int64,
                    hb: cutlass.Int32, n_hb: cutlass.Int32, kh: cutlass.Int32,
                    scale: cutlass.Float32, mDKV: cute.Tensor, ch_lo: cutlass.Constexpr,
-                   ch_hi: cutlass.Constexpr, scr):
+                   ch_hi: cutlass.Constexpr, release=None):
         """dKV columns [64 ch_lo, 64 ch_hi) of one block in 64-column chunks: wgmma with
         A = dS^T / P^T (M = KV rows, K = heads), B = Q / dO column chunks (N = 64 columns,
         K = heads), all MN-major views of the K-major smem tiles; then _scatter adds (or
-        stores) each chunk."""
+        stores) each chunk. `release` (an mbarrier or None) is arrived on as soon as the last
+        chunk's MMA is done, before its scatter: the P / dS tiles and the row slot (read into
+        registers at the start) are free from then on."""
         bn, bm = self.bn, self.bm
         thr_kv = dkv_mma.get_slice(gtid)
         tKrDS = thr_kv.make_fragment_A(thr_kv.partition_A(cute.make_tensor(ds_sw, sTt_layout)))
@@ -781,9 +775,6 @@ class SparseMlaBwdSm90:
         if cutlass.const_expr(not self.fold_scale):
             out_scale = scale
         lane = gtid % 32
-        if cutlass.const_expr(self.smem_scatter):
-            # this warp's 16 x 32 floats
-            scr = scr + cute.assume((gtid // 32) * SCRATCH_WARP_FLOATS, divby=512)
         tok_row0 = cutlass.Int64(bt32 - t_begin) * cutlass.Int64(K)
         # this thread's 4 rows (r = kr_base + q0 + 8 rho, in order (rho, q0)): the gathered
         # row (-1: invalid entry, nothing is added) and its dkv offset
@@ -818,14 +809,17 @@ class SparseMlaBwdSm90:
                     warpgroup.wait_group(1)
                 else:
                     warpgroup.wait_group(0)
-                self._scatter_any(accs[(ch - ch_lo) % 2], lane, rows, g_bases, ch,
-                                  out_scale, mDKV, scr)
+                    if cutlass.const_expr(release is not None):
+                        cute.arch.mbarrier_arrive(release)
+                self._scatter(accs[(ch - ch_lo) % 2], lane, rows, g_bases, ch, out_scale, mDKV)
         else:
             for ch in cutlass.range(ch_lo, ch_hi, unroll=1):
                 acc = self._dkv_issue(dkv_mma, thr_kv, acc_kv_shape, tKrDS, tKrP, q_sw, do_sw,
                                       sTt_layout, kh, ch)
                 warpgroup.wait_group(0)
-                self._scatter_any(acc, lane, rows, g_bases, ch, out_scale, mDKV, scr)
+                self._scatter(acc, lane, rows, g_bases, ch, out_scale, mDKV)
+            if cutlass.const_expr(release is not None):
+                cute.arch.mbarrier_arrive(release)
 
     @cute.jit
     def _dkv_issue(self, dkv_mma: cute.TiledMma, thr_kv, acc_kv_shape, tKrDS: cute.Tensor,
@@ -864,63 +858,6 @@ class SparseMlaBwdSm90:
             for k in cutlass.range_constexpr(nk):
                 cute.gemm(dkv_mma, acc, tKrP[None, None, k], tKrDO[None, None, k], acc)
         warpgroup.commit_group()
-
-    @cute.jit
-    def _scatter_any(self, acc: cute.Tensor, lane: cutlass.Int32, rows: list, g_bases: list,
-                     ch: cutlass.Int32, out_scale: cutlass.Float32, mDKV: cute.Tensor, scr):
-        if cutlass.const_expr(self.smem_scatter):
-            self._scatter_smem(acc, lane, rows, g_bases, ch, out_scale, mDKV, scr)
-        else:
-            self._scatter(acc, lane, rows, g_bases, ch, out_scale, mDKV)
-
-    @cute.jit
-    def _scatter_smem(self, acc: cute.Tensor, lane: cutlass.Int32, rows: list, g_bases: list,
-                      ch: cutlass.Int32, out_scale: cutlass.Float32, mDKV: cute.Tensor, scr):
-        """Each RED of a warp covers 4 rows x 128 contiguous bytes in the logical column order
-        (lane l adding columns 4 (l % 8) + [0, 4) of rows 2 (l // 8) + q0 + 8 rho), by a
-        transpose through this warp's shared-memory scratch, one 32-column half of the chunk at
-        a time: 8 st.shared.v2 of the accumulator pairs, then 4 ld.shared.v4 of row segments
-        (both conflict-free with the layout of scratch_offset)."""
-        acc_mn = acc_mn_view(acc)
-        q = lane // 4
-        s = lane % 4
-        st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32,
-                                      num_bits_per_copy=64)
-        ld_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32,
-                                      num_bits_per_copy=128)
-        pair = cute.make_rmem_tensor(2, cutlass.Float32)
-        quads = cute.make_rmem_tensor(cute.make_layout((4, 4), stride=(4, 1)), cutlass.Float32)
-        # each row's dkv address once per chunk
-        col0 = ch * 64 + 4 * (lane % 8)
-        row_ptrs = [mDKV.iterator + (g_bases[i] + cutlass.Int64(col0)) for i in range(4)]
-        for g2 in cutlass.range_constexpr(2):
-            cute.arch.sync_warp()  # the previous half's reads are done
-            for rho in cutlass.range_constexpr(2):
-                for jj in cutlass.range_constexpr(4):
-                    # accumulator pair: row q + 8 rho, columns 8 jj + 2 s + {0, 1} of this half
-                    j = 4 * g2 + jj
-                    pair[0] = acc_mn[rho, 2 * j] * out_scale
-                    pair[1] = acc_mn[rho, 2 * j + 1] * out_scale
-                    off = scratch_offset(q + 8 * rho, 8 * jj + 2 * s)
-                    dst = cute.make_tensor(scr + cute.assume(off, divby=2), cute.make_layout(2))
-                    cute.copy(st_atom, pair, dst)
-            cute.arch.sync_warp()
-            # all four row segments first (their latencies overlap), then the predicated adds
-            # (with a plain `if` per row the compiler sinks each load and the row's whole
-            # address computation into the branch: ~10 more instructions per RED, checked in
-            # the SASS)
-            for i in cutlass.range_constexpr(4):  # i = 2 rho + q0
-                off = scratch_offset(2 * (lane // 8) + (i % 2) + 8 * (i // 2), 4 * (lane % 8))
-                src = cute.make_tensor(scr + cute.assume(off, divby=4), cute.make_layout(4))
-                cute.copy(ld_atom, src, quads[i, None])
-            for i in cutlass.range_constexpr(4):
-                ok = cutlass.Int32(1) if rows[i] >= 0 else cutlass.Int32(0)
-                if cutlass.const_expr(self.deterministic):
-                    st_global_v4_f32_if(ok, row_ptrs[i] + 32 * g2, quads[i, 0], quads[i, 1],
-                                        quads[i, 2], quads[i, 3])
-                else:
-                    red_add_v4_f32_if(ok, row_ptrs[i] + 32 * g2, quads[i, 0], quads[i, 1],
-                                      quads[i, 2], quads[i, 3], evict_last=self.red_evict_last)
 
     @cute.jit
     def _scatter(self, acc: cute.Tensor, lane: cutlass.Int32, rows: list, g_bases: list,

@@ -218,12 +218,10 @@ def _v4_f32(op: str, ptr, vals, loc, ip):
          loc, ip)
 
 
-def _red_evict_last_asm(predicated: bool) -> str:
-    """red.global.add.v4.f32 [$0], {$1..$4} under an L2 evict-last policy made in the same block
-    (predicated: only where $5 != 0)."""
-    guard = ".reg .pred p; setp.ne.b32 p, $5, 0; @p " if predicated else ""
-    return ("{ .reg .b64 pol; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; " + guard
-            + "red.relaxed.gpu.global.add.L2::cache_hint.v4.f32 [$0], {$1, $2, $3, $4}, pol; }")
+# red.global.add.v4.f32 [$0], {$1..$4} under an L2 evict-last policy made in the same block
+_RED_EVICT_LAST_ASM = ("{ .reg .b64 pol; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+                       "red.relaxed.gpu.global.add.L2::cache_hint.v4.f32 [$0], {$1, $2, $3, $4}, "
+                       "pol; }")
 
 
 @dsl_user_op
@@ -231,7 +229,7 @@ def red_add_v4_f32(ptr, a, b, c, d, *, evict_last: bool = False, loc=None, ip=No
     """red.global.add.v4.f32 [ptr], {a, b, c, d} (sm_90; ptr 16-byte aligned global memory);
     evict_last: with an L2 evict-last policy."""
     if evict_last:
-        _asm(_red_evict_last_asm(False), "l,f,f,f,f",
+        _asm(_RED_EVICT_LAST_ASM, "l,f,f,f,f",
              [_ir(ptr, loc, ip)] + _f32s((a, b, c, d), loc, ip), loc, ip)
     else:
         _v4_f32("red.relaxed.gpu.global.add.v4.f32", ptr, (a, b, c, d), loc, ip)
@@ -241,24 +239,6 @@ def red_add_v4_f32(ptr, a, b, c, d, *, evict_last: bool = False, loc=None, ip=No
 def st_global_v4_f32(ptr, a, b, c, d, *, loc=None, ip=None):
     """st.global.v4.f32 [ptr], {a, b, c, d} (ptr 16-byte aligned global memory)."""
     _v4_f32("st.global.v4.f32", ptr, (a, b, c, d), loc, ip)
-
-
-def _v4_f32_if(op: str, pred, ptr, vals, loc, ip):
-    _asm("{ .reg .pred p; setp.ne.b32 p, $5, 0; @p " + op + " [$0], {$1, $2, $3, $4}; }",
-         "l,f,f,f,f,r", [_ir(ptr, loc, ip)] + _f32s(vals, loc, ip)
-         + [cutlass.Int32(pred).ir_value(loc=loc, ip=ip)], loc, ip)
-
-
-@dsl_user_op
-def red_add_v4_f32_if(pred, ptr, a, b, c, d, *, evict_last: bool = False, loc=None, ip=None):
-    """red_add_v4_f32 under a predicate (pred != 0) instead of a branch: ptr is not touched
-    when pred is 0, so it may be any value then. evict_last: with an L2 evict-last policy."""
-    if evict_last:
-        _asm(_red_evict_last_asm(True), "l,f,f,f,f,r",
-             [_ir(ptr, loc, ip)] + _f32s((a, b, c, d), loc, ip)
-             + [cutlass.Int32(pred).ir_value(loc=loc, ip=ip)], loc, ip)
-    else:
-        _v4_f32_if("red.relaxed.gpu.global.add.v4.f32", pred, ptr, (a, b, c, d), loc, ip)
 
 
 @dsl_user_op
@@ -288,12 +268,6 @@ def bulk_wait_group(n: cutlass.Constexpr, read: cutlass.Constexpr, *, loc=None, 
     (read: have finished reading their shared-memory sources)."""
     _asm(f"cp.async.bulk.wait_group{'.read' if read else ''} {int(n)};", "~{memory}", [],
          loc, ip)
-
-
-@dsl_user_op
-def st_global_v4_f32_if(pred, ptr, a, b, c, d, *, loc=None, ip=None):
-    """st_global_v4_f32 under a predicate (pred != 0), see red_add_v4_f32_if."""
-    _v4_f32_if("st.global.v4.f32", pred, ptr, (a, b, c, d), loc, ip)
 
 
 def _rows(dtype, n_rows, n_cols, align=16):

@@ -1,22 +1,8 @@
-"""Index arithmetic of the backward's dKV scatter (bwd.py): the shared-memory transpose scratch
-(SparseMlaBwdSm90._scatter_smem, Dqk 512) and the row-pair exchange of the permuted layout
-(SparseMlaBwdSm90._scatter, Dqk 576). Plain Python, no CuTe import: the kernel evaluates these
-on DSL values, tests/test_scatter_transpose.py on NumPy arrays (it runs without
+"""Index arithmetic of the backward's dKV scatter (bwd.py): the row-pair exchange into the
+permuted column layout (SparseMlaBwdSm90._scatter). Plain Python, no CuTe import: the kernel
+evaluates these on DSL values, tests/test_scatter_layout.py on NumPy arrays (it runs without
 nvidia-cutlass-dsl, which only the kernel build needs).
 """
-
-
-def scratch_offset(row, col):
-    """Float offset of (row, col) in a warp's 16 x 32 fp32 transpose scratch (_scatter_smem):
-    row-major, the 16-byte chunk index XOR-ed with 2 (row % 4). Shared memory serves 8-byte
-    accesses per half-warp and 16-byte ones per quarter-warp: a half-warp's accumulator-order
-    write covers 4 rows x 32 bytes, which this XOR spreads over all 32 banks, and a
-    quarter-warp's read is one 128-byte row segment."""
-    return row * 32 + ((col // 4) ^ (2 * (row % 4))) * 4 + col % 4
-
-
-SCRATCH_WARP_FLOATS = 16 * 32
-SCRATCH_BYTES = 8 * SCRATCH_WARP_FLOATS * 4  # 8 warps
 
 
 def flat(rho, g2, g1, g0, c):
@@ -26,7 +12,7 @@ def flat(rho, g2, g1, g0, c):
 
 
 def permuted_column(col):
-    """Where logical dkv column `col` sits in the permuted layout that the Dqk 576 kernels
+    """Where logical dkv column `col` sits in the permuted layout that the backward kernels
     write (each 16-column group reordered from (g0, s, c) to (s, g0, c), so lane s holds four
     consecutive floats): 16 (col // 16) + 4 s + 2 g0 + c for col % 16 = 8 g0 + 2 s + c."""
     g0, s, c = (col % 16) // 8, (col % 8) // 2, col % 2
