@@ -28,6 +28,10 @@ CASES = [
     # dkv >= EVICT_LAST_MIN_DKV_BYTES at Dqk 512: the evict-last (`_el`) builds
     (1, 8, 64, 512, 40000, 640, True, "partial"),
     (2, 4, 128, 512, 20000, 1152, False, "full"),
+    # more (token, head block) items than the H200's 132 SMs: several items per CTA of a
+    # persistent grid, empty lists among them
+    (1, 140, 128, 576, 400, 130, True, "partial"),
+    (1, 300, 64, 512, 500, 130, False, "partial"),
 ]
 
 
@@ -74,7 +78,8 @@ GROUPED_CASES = {
     4: [(1, 16, 16, 512, 4096, 640, True, "partial"),
         (2, 8, 16, 576, 60, 48, True, "partial"),
         (1, 12, 16, 512, 100, 640, False, "none"),
-        (1, 16, 16, 512, 40000, 640, True, "partial")],  # dkv past the L2: the `_el` build
+        (1, 16, 16, 512, 40000, 640, True, "partial"),  # dkv past the L2: the `_el` build
+        (1, 1200, 16, 512, 400, 128, True, "partial")],  # 300 grouped items (> the SMs)
     8: [(1, 16, 8, 512, 4096, 640, True, "partial"),
         (2, 8, 8, 576, 60, 48, True, "partial"),
         (1, 24, 8, 512, 100, 640, False, "none")],
@@ -186,6 +191,7 @@ DET_CASES = [
     (1, 16, 64, 512, 4096, 640, True, "partial", 5),
     (2, 4, 100, 576, 900, 1152, False, "none", None),  # two head blocks share entries
     (1, 8, 128, 512, 100, 640, True, "partial", 3),
+    (1, 280, 64, 576, 300, 130, True, "partial", None),  # 280 items in one chunk
 ]
 
 
