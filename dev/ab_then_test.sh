@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU call that decides between kernel libraries and validates the winner: dev/ab_libs.sh on
-# the given rows, then the library with the smallest summed median (over rounds and rows) is put
-# in jax_dsa/_lib and the backward's GPU tests and the memcheck case run on it.
+# the given rows, then the library with the smallest sum over the rows of its mean time (one that
+# misses a row in any round loses) goes to jax_dsa/_lib and the backward's GPU tests and the
+# memcheck case run on it.
 #
 #   ROUNDS=2 bash dev/ab_then_test.sh "V3.2 S=8K,V3.2 S=128K" bwd build/libs/a build/libs/b ...
 #
@@ -16,21 +17,26 @@ shift 2
 best=$(python3 - "$out" "$@" <<'PY'
 import os, re, sys
 out, dirs = sys.argv[1], sys.argv[2:]
-def total(d):
-    """Sum over rows of the row's mean time; inf if a row is missing from any round."""
-    name, times = os.path.basename(d), {}
+def times(d):
+    """{row: [time per round]} from this library's logs."""
+    name, rows = os.path.basename(d), {}
     logs = [f for f in os.listdir(out) if f.startswith(name + ".") and f.endswith(".log")]
     for f in logs:
-        seen = {}
         for line in open(os.path.join(out, f)):
             m = re.match(r"^((?:V|TP|decode)\S*(?: \S+)*?)\s+\S+\s+\S+\s+([0-9.]+) us", line)
             if m:
-                seen[m.group(1)] = float(m.group(2))
-        for k, v in seen.items():
-            times.setdefault(k, []).append(v)
-    if not logs or any(len(v) != len(logs) for v in times.values()):
+                rows.setdefault(m.group(1), {})[f] = float(m.group(2))
+    return {k: list(v.values()) for k, v in rows.items()}, len(logs)
+every = {d: times(d) for d in dirs}
+all_rows = set().union(*(t for t, _ in every.values()))
+def total(d):
+    """Sum over rows of the row's mean time; inf if the library lacks a row in any round."""
+    t, n = every[d]
+    if not n or set(t) != all_rows or any(len(v) != n for v in t.values()):
         return float("inf")
-    return sum(sum(v) / len(v) for v in times.values()) if times else float("inf")
+    return sum(sum(v) / n for v in t.values())
+for d in dirs:
+    print(f"  {os.path.basename(d)}: {total(d):.1f} us", file=sys.stderr)
 print(min(dirs, key=total))
 PY
 )
