@@ -11,7 +11,7 @@ HEAD_DIMS = (512, 576)
 # The head dims whose backward adds dkv in a permuted column order (one shuffle per value pair
 # makes each RED line-wide; ffi/kernels/sm90/scatter_layout.permuted_column), undone by
 # jax_dsa/cute/ffi.py: all of them.
-PERMUTED_DKV_DIMS = (512, 576)
+PERMUTED_DKV_DIMS = HEAD_DIMS
 # The head dims whose atomic backward is also built with evict-last dKV REDs (export suffix
 # `_el`), run when the fp32 dkv accumulator holds at least EVICT_LAST_MIN_DKV_BYTES (beyond the
 # H200's 60 MB L2). Measured at Dqk 512 only (at 576 it lost 1.7 % at S 8K).

@@ -25,7 +25,7 @@ gathered, delta per row. Per 64-row KV block n:
     columns [0, 256) with block n + 1; dKV chunks [0, wg0_chunks) (none at Dqk 512, 3 at 576).
   * WG1: dQ[:, 256:Dqk] += dS K (both operands in shared memory, rope part included); refills
     columns [256, Dqk); dKV chunks [wg0_chunks, n_ch); arrives ds_empty once the last chunk's
-    MMA is done, before its scatter.
+    MMA is done (Dqk 512: before that chunk's scatter; 576: after it).
   Each column range is refilled by its last reader, so the single stage needs no "kv empty"
   barrier and block n + 1's gather runs under block n's dKV chunks. A dKV chunk (64 rows x 64
   columns) is a wgmma over MN-major views of the resident tiles with ceil(live heads / 16)
@@ -760,9 +760,10 @@ class SparseMlaBwdSm90:
         """dKV columns [64 ch_lo, 64 ch_hi) of one block in 64-column chunks: wgmma with
         A = dS^T / P^T (M = KV rows, K = heads), B = Q / dO column chunks (N = 64 columns,
         K = heads), all MN-major views of the K-major smem tiles; then _scatter adds (or
-        stores) each chunk. `release` (an mbarrier or None) is arrived on as soon as the last
-        chunk's MMA is done, before its scatter: the P / dS tiles and the row slot (read into
-        registers at the start) are free from then on."""
+        stores) each chunk. `release` (an mbarrier or None) is arrived on once the last chunk's
+        MMA is done, when the P / dS tiles and the row slot (read into registers at the start)
+        are free: before that chunk's scatter in the rolling pipeline (Dqk 512), after the
+        chunk loop at 576."""
         bn, bm = self.bn, self.bm
         thr_kv = dkv_mma.get_slice(gtid)
         tKrDS = thr_kv.make_fragment_A(thr_kv.partition_A(cute.make_tensor(ds_sw, sTt_layout)))
