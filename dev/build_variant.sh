@@ -10,6 +10,8 @@
 # jax_dsa/_lib/libjax_dsa_sm90.so between two runs). Needs CUTE_DSL_ARCH=sm_90a in the
 # environment, as ffi/build.py does. VARIANT_MODULES="bwd ..." adds kernel modules to re-export
 # (for a REV that changes what they import from jax_dsa/cute, e.g. constants.py).
+# VARIANT_ONLY="bwd ..." restricts the re-exports to those modules (for a REV whose change to
+# common.py touches only their arguments, which would otherwise re-export every kernel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rev=$1
@@ -25,16 +27,18 @@ changed=$(git diff --name-only HEAD "$rev" -- ffi/kernels/sm90/ | xargs -r -n1 b
           sed 's/\.py$//' | tr '\n' ' ')
 changed="$changed ${VARIANT_MODULES:-}"
 cd "$wt/ffi"
-python - "$changed" <<'EOF'
+python - "$changed" "${VARIANT_ONLY:-}" <<'EOF'
 import os
 import sys
 
 import build
 
 changed = set(sys.argv[1].split())
+only = set(sys.argv[2].split())
 todo = [prefix for _, prefix, module, _, _ in build.exports()
-        if module in changed or "common" in changed
-        or not os.path.isfile(os.path.join("..", "build", "kernels", prefix + ".o"))]
+        if (module in changed or "common" in changed
+            or not os.path.isfile(os.path.join("..", "build", "kernels", prefix + ".o")))
+        and (not only or module in only)]
 for prefix in todo:
     print(f"[variant] export {prefix}: {build._export_one(prefix, '../build/kernels'):.1f}s",
           flush=True)
