@@ -22,10 +22,10 @@ nothing waits for first (block 0's indices, WG0's lse / coef), Q and dO to share
 gathered, delta per row. Per 64-row KV block n:
   * WG0: S = Q K^T and dP = dO V^T (wgmma 64x64x16), dS; the 16-bit P and dS tiles to shared
     memory (arrives ds_full); dQ[:, :256] += dS K with dS as the register A operand; refills
-    columns [0, 256) with block n + 1; dKV chunks [0, wg0_chunks) (none at Dqk 512, 3 at 576).
+    columns [0, 256) with block n + 1; dKV chunks [0, wg0_chunks) (none at Dqk 512, 4 at 576).
   * WG1: dQ[:, 256:Dqk] += dS K (both operands in shared memory, rope part included); refills
     columns [256, Dqk); dKV chunks [wg0_chunks, n_ch); arrives ds_empty once the last chunk's
-    MMA is done (Dqk 512: before that chunk's scatter; 576: after it).
+    MMA is done, before that chunk's scatter.
   Each column range is refilled by its last reader, so the single stage needs no "kv empty"
   barrier and block n + 1's gather runs under block n's dKV chunks. A dKV chunk (64 rows x 64
   columns) is a wgmma over MN-major views of the resident tiles with ceil(live heads / 16)
@@ -75,7 +75,7 @@ DS_EMPTY = 2
 
 class SparseMlaBwdSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                 group: int = 1, red_evict_last: bool = False):
+                 group: int = 1, red_evict_last: bool = False, wg0_chunks: int | None = None):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -103,9 +103,10 @@ class SparseMlaBwdSm90:
         self.n_ch = d_qk // 64  # dKV 64-column chunks (9 or 8)
         self.skip_heads = True  # issue only ceil(live heads / 16) dKV k-steps
         # dKV chunks [0, wg0_chunks) are computed by WG0 (after its dQ half and its gather), the
-        # rest by WG1: all 8 at Dqk 512 (WG1 releases P / dS before the last chunk's scatter),
-        # 3 of 9 at 576 (docs/kernel_log.md).
-        self.wg0_chunks = 0 if d_qk == 512 else 3
+        # rest by WG1, which releases P / dS before its last chunk's scatter. Default: all 8 in
+        # WG1 at Dqk 512, 4 of 9 in WG0 at 576 (docs/kernel_log.md).
+        self.wg0_chunks = (0 if d_qk == 512 else 4) if wg0_chunks is None else wg0_chunks
+        assert 0 <= self.wg0_chunks < self.n_ch
         # dkv is added in the permuted column layout (scatter_layout.permuted_column), which
         # the Python wrapper undoes
         assert d_qk in PERMUTED_DKV_DIMS
@@ -762,8 +763,8 @@ class SparseMlaBwdSm90:
         K = heads), all MN-major views of the K-major smem tiles; then _scatter adds (or
         stores) each chunk. `release` (an mbarrier or None) is arrived on once the last chunk's
         MMA is done, when the P / dS tiles and the row slot (read into registers at the start)
-        are free: before that chunk's scatter in the rolling pipeline (Dqk 512), after the
-        chunk loop at 576."""
+        are free, before that chunk's scatter (at Dqk 576 the last chunk is peeled off the
+        runtime loop for this)."""
         bn, bm = self.bn, self.bm
         thr_kv = dkv_mma.get_slice(gtid)
         tKrDS = thr_kv.make_fragment_A(thr_kv.partition_A(cute.make_tensor(ds_sw, sTt_layout)))
@@ -814,13 +815,20 @@ class SparseMlaBwdSm90:
                         cute.arch.mbarrier_arrive(release)
                 self._scatter(accs[(ch - ch_lo) % 2], lane, rows, g_bases, ch, out_scale, mDKV)
         else:
-            for ch in cutlass.range(ch_lo, ch_hi, unroll=1):
+            # with `release`, the last chunk is peeled off the loop so that the release comes
+            # between its MMA and its scatter
+            ch_loop = ch_hi if cutlass.const_expr(release is None) else ch_hi - 1
+            for ch in cutlass.range(ch_lo, ch_loop, unroll=1):
                 acc = self._dkv_issue(dkv_mma, thr_kv, acc_kv_shape, tKrDS, tKrP, q_sw, do_sw,
                                       sTt_layout, kh, ch)
                 warpgroup.wait_group(0)
                 self._scatter(acc, lane, rows, g_bases, ch, out_scale, mDKV)
             if cutlass.const_expr(release is not None):
+                acc = self._dkv_issue(dkv_mma, thr_kv, acc_kv_shape, tKrDS, tKrP, q_sw, do_sw,
+                                      sTt_layout, kh, ch_hi - 1)
+                warpgroup.wait_group(0)
                 cute.arch.mbarrier_arrive(release)
+                self._scatter(acc, lane, rows, g_bases, ch_hi - 1, out_scale, mDKV)
 
     @cute.jit
     def _dkv_issue(self, dkv_mma: cute.TiledMma, thr_kv, acc_kv_shape, tKrDS: cute.Tensor,
@@ -910,8 +918,9 @@ class SparseMlaBwdTwoPoolSm90(SparseMlaBwdSm90):
     dkv has S = S1 + S2 rows; only the gather reads row r from kv2[b, r - S1] when r >= S1
     (_kv_source). Everything else is the one-pool kernel's."""
 
-    def __init__(self, dtype, d_qk: int, d_v: int = 512, red_evict_last: bool = False):
-        super().__init__(dtype, d_qk, d_v, red_evict_last=red_evict_last)
+    def __init__(self, dtype, d_qk: int, d_v: int = 512, red_evict_last: bool = False,
+                 wg0_chunks: int | None = None):
+        super().__init__(dtype, d_qk, d_v, red_evict_last=red_evict_last, wg0_chunks=wg0_chunks)
 
     @cute.jit
     def __call__(
@@ -993,16 +1002,20 @@ class SparseMlaBwdTwoPoolSm90(SparseMlaBwdSm90):
                    dq1_mma, dqr_mma, dkv_mma, SharedStorage, (mKV2, S1))
 
 
-def compile_bwd_two_pool(dtype, d_qk: int, d_v: int = 512, red_evict_last: bool = False):
+def compile_bwd_two_pool(dtype, d_qk: int, d_v: int = 512, red_evict_last: bool = False,
+                         wg0_chunks: int | None = None):
     """Compile the two-pool backward with fake tensors (common.bwd_two_pool_fake_args)."""
-    return cute.compile(SparseMlaBwdTwoPoolSm90(dtype, d_qk, d_v, red_evict_last=red_evict_last),
+    return cute.compile(SparseMlaBwdTwoPoolSm90(dtype, d_qk, d_v, red_evict_last=red_evict_last,
+                                                wg0_chunks=wg0_chunks),
                         *bwd_two_pool_fake_args(dtype, d_qk, d_v))
 
 
 def compile_bwd(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                group: int = 1, red_evict_last: bool = False, options: str | None = None):
+                group: int = 1, red_evict_last: bool = False, wg0_chunks: int | None = None,
+                options: str | None = None):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
-    needed. `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
+    needed. `wg0_chunks`: dKV chunks computed by WG0 (None: the default for d_qk). `options`:
+    extra cute.compile options, e.g. "--ptxas-options '-v'"."""
     return cute.compile(SparseMlaBwdSm90(dtype, d_qk, d_v, deterministic, group=group,
-                                                red_evict_last=red_evict_last),
+                                         red_evict_last=red_evict_last, wg0_chunks=wg0_chunks),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))
