@@ -45,6 +45,13 @@ def _constants():
     return constants
 
 
+# The atomic backward's `_long` builds, which the handler runs when the fp32 dkv accumulator
+# holds at least LONG_DKV_MIN_BYTES (beyond the H200's 60 MB L2): evict-last dKV REDs at Dqk 512
+# (-2 to -5 % at S 64K); at 576 three dKV chunks in WG0 and ds_empty after WG1's last scatter,
+# the short-context default's schedule measured 2.4 % slower at S 128K (docs/kernel_log.md).
+LONG_BWD_TUNING = {512: dict(red_evict_last=True), 576: dict(wg0_chunks=3, early_release=False)}
+
+
 def exports():
     """[(op, export prefix, kernel module, compile function, keyword arguments)] of every
     specialization the handlers can launch. The prefix is what ffi/*.cc look kernels up by:
@@ -70,14 +77,14 @@ def exports():
             for g in c.GROUPS:  # the grouped backward: atomic form only
                 out.append(("bwd", f"jax_dsa_bwd_g{g}_{dt}_d{d}", "bwd", "compile_bwd",
                             dict(spec, group=g)))
-            if d in c.EVICT_LAST_DIMS:  # the atomic forms with evict-last dKV REDs (`_el`)
-                el = dict(spec, red_evict_last=True)
-                out.append(("bwd", f"jax_dsa_bwd_{dt}_d{d}_el", "bwd", "compile_bwd", el))
-                out.append(("bwd2", f"jax_dsa_bwd_two_pool_{dt}_d{d}_el", "bwd",
-                            "compile_bwd_two_pool", el))
-                for g in c.GROUPS:
-                    out.append(("bwd", f"jax_dsa_bwd_g{g}_{dt}_d{d}_el", "bwd", "compile_bwd",
-                                dict(el, group=g)))
+            # the atomic forms for a dkv beyond the L2 (`_long`: LONG_BWD_TUNING)
+            long = dict(spec, **LONG_BWD_TUNING[d])
+            out.append(("bwd", f"jax_dsa_bwd_{dt}_d{d}_long", "bwd", "compile_bwd", long))
+            out.append(("bwd2", f"jax_dsa_bwd_two_pool_{dt}_d{d}_long", "bwd",
+                        "compile_bwd_two_pool", long))
+            for g in c.GROUPS:
+                out.append(("bwd", f"jax_dsa_bwd_g{g}_{dt}_d{d}_long", "bwd", "compile_bwd",
+                            dict(long, group=g)))
     for dt in DTYPES:  # the split forward's combine of its parts (d_v 512, any Dqk)
         out.append(("combine", f"jax_dsa_fwd_combine_{dt}", "fwd_combine",
                     "compile_fwd_combine", dict(dtype=dt)))

@@ -1,8 +1,8 @@
 // XLA FFI handlers for the sparse MLA (DSA) backward on sm_90a.
 //
 // Kernels: ffi/kernels/sm90/bwd.py (exports jax_dsa_bwd_<dtype>_d<Dqk>, deterministic
-// jax_dsa_bwd_det_*, grouped jax_dsa_bwd_g<G>_*; at Dqk in kEvictLastDims the atomic forms also
-// as *_el, with evict-last dKV REDs, run when dkv is at least kEvictLastMinDkvBytes) and
+// jax_dsa_bwd_det_*, grouped jax_dsa_bwd_g<G>_*; the atomic forms also as *_long, tuned for a
+// dkv beyond the L2 and run when dkv is at least kLongDkvMinBytes) and
 // dkv_reduce.py (jax_dsa_dkv_reduce_d<Dqk>),
 // listed by ffi/build.py in JAX_DSA_BWD_SPECS / JAX_DSA_REDUCE_SPECS. Which form runs is the
 // caller's choice (jax_dsa.cute.config.BwdConfig): the plain, grouped (`group` attribute) or
@@ -153,18 +153,13 @@ std::string BwdName(const std::string& form, bool bf16, int64_t d_qk) {
   return "jax_dsa_bwd_" + form + (bf16 ? "bf16" : "f16") + "_d" + std::to_string(d_qk);
 }
 
-// The kernel `name`, or its `_el` build (dKV REDs with an L2 evict-last policy) where one was
-// built for this Dqk (kEvictLastDims) and the fp32 dkv accumulator holds at least
-// kEvictLastMinDkvBytes: past the L2 the policy keeps the lines of the rows in flight.
+// The kernel `name`, or its `_long` build (ffi/build.py LONG_BWD_TUNING) when the fp32 dkv
+// accumulator holds at least kLongDkvMinBytes, i.e. outgrows the L2.
 template <typename Args>
 typename KernelTable<Args>::Launch FindAtomicBwd(KernelTable<Args>& table,
-                                                 const std::string& name, int64_t d_qk,
-                                                 size_t dkv_bytes) {
-  if (static_cast<int64_t>(dkv_bytes) >= kEvictLastMinDkvBytes) {
-    for (int64_t d : kEvictLastDims) {
-      if (d != d_qk) continue;
-      if (auto launch = table.Find(name + "_el")) return launch;
-    }
+                                                 const std::string& name, size_t dkv_bytes) {
+  if (static_cast<int64_t>(dkv_bytes) >= kLongDkvMinBytes) {
+    if (auto launch = table.Find(name + "_long")) return launch;
   }
   return table.Find(name);
 }
@@ -260,7 +255,7 @@ ffi::Error RunAtomicBwd(const char* op, const std::string& form, cudaStream_t st
   if (!problem.empty()) return ffi::Error::InvalidArgument(std::string("jax_dsa ") + op + ": " + problem);
   const std::string name = BwdName(form, q.element_type() == ffi::DataType::BF16, x.D);
   KernelTable<BwdArgs>::Launch launch =
-      FindAtomicBwd(BwdKernels(), name, x.D, dkv->size_bytes());
+      FindAtomicBwd(BwdKernels(), name, dkv->size_bytes());
   if (launch == nullptr)
     return ffi::Error::Internal(std::string("jax_dsa ") + op + ": no kernel " + name +
                                 " was built");
@@ -341,7 +336,7 @@ ffi::Error SparseMlaBwdTwoPool(cudaStream_t stream, int32_t device, ffi::AnyBuff
   y.S1 = static_cast<int32_t>(x.S);
   const std::string name = BwdName("two_pool_", q.element_type() == ffi::DataType::BF16, x.D);
   KernelTable<Bwd2Args>::Launch launch =
-      FindAtomicBwd(Bwd2Kernels(), name, x.D, dkv->size_bytes());
+      FindAtomicBwd(Bwd2Kernels(), name, dkv->size_bytes());
   if (launch == nullptr)
     return ffi::Error::Internal(std::string("jax_dsa ") + op + ": no kernel " + name +
                                 " was built");

@@ -103,19 +103,19 @@ for h, d, det, t in ((100, 576, False, 5), (100, 512, False, 5), (17, 512, False
         deterministic=det).astype(jnp.float32) ** 2), argnums=(0, 1))(q, kv)
     jax.block_until_ready(grads)
     print(f"backward H={h} Dqk={d} deterministic={det}: ok")
-# dkv past EVICT_LAST_MIN_DKV_BYTES at Dqk 512: the evict-last builds (plain and grouped), rows
-# on both sides of [0, S)
-for h, t in ((64, 5), (16, 8)):
+# dkv past LONG_DKV_MIN_BYTES: the long-context builds (plain and grouped), rows on both sides
+# of [0, S)
+for h, t, d in ((64, 5, 512), (16, 8, 512), (128, 3, 576), (16, 8, 576)):
     s = 33000
-    q = jnp.asarray(rng.standard_normal((1, t, h, 512)), jnp.bfloat16)
-    kv = jnp.asarray(rng.standard_normal((1, s, 512)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((1, t, h, d)), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((1, s, d)), jnp.bfloat16)
     idx = jnp.asarray(rng.integers(-40, s + 40, (1, t, 70)).astype(np.int32))
     tl = jnp.asarray(rng.integers(0, 71, (1, t)).astype(np.int32))
     grads = jax.grad(lambda q, kv: jnp.sum(jax_dsa.sparse_mla(
         q, kv, idx, sink=jnp.zeros(h), topk_length=tl,
         implementation="cute").astype(jnp.float32) ** 2), argnums=(0, 1))(q, kv)
     jax.block_until_ready(grads)
-    print(f"backward H={h} Dqk=512 S={s} (evict-last build): ok")
+    print(f"backward H={h} Dqk={d} S={s} (long-context build): ok")
 print("backward memcheck case done")
 
 # The indexer's score kernel: S not a multiple of the 256-row tile, Hi < 64, tokens before the

@@ -25,9 +25,11 @@ CASES = [
     (2, 4, 100, 512, 900, 1152, True, "none"),
     (1, 4, 128, 576, 3000, 2048, True, "partial"),
     (1, 8, 128, 512, 100, 640, False, "partial"),  # many duplicates: K >> S
-    # dkv >= EVICT_LAST_MIN_DKV_BYTES at Dqk 512: the evict-last (`_el`) builds
+    # dkv >= LONG_DKV_MIN_BYTES: the long-context (`_long`) builds
     (1, 8, 64, 512, 40000, 640, True, "partial"),
     (2, 4, 128, 512, 20000, 1152, False, "full"),
+    (1, 8, 128, 576, 33000, 2048, True, "partial"),
+    (2, 4, 24, 576, 16000, 640, False, "none"),
     # more (token, head block) items than the H200's 132 SMs: several items per CTA of a
     # persistent grid, empty lists among them
     (1, 140, 128, 576, 400, 130, True, "partial"),
@@ -78,7 +80,8 @@ GROUPED_CASES = {
     4: [(1, 16, 16, 512, 4096, 640, True, "partial"),
         (2, 8, 16, 576, 60, 48, True, "partial"),
         (1, 12, 16, 512, 100, 640, False, "none"),
-        (1, 16, 16, 512, 40000, 640, True, "partial"),  # dkv past the L2: the `_el` build
+        (1, 16, 16, 512, 40000, 640, True, "partial"),  # dkv past the L2: the `_long` build
+        (1, 16, 16, 576, 33000, 640, True, "partial"),
         (1, 1200, 16, 512, 400, 128, True, "partial")],  # 300 grouped items (> the SMs)
     8: [(1, 16, 8, 512, 4096, 640, True, "partial"),
         (2, 8, 8, 576, 60, 48, True, "partial"),
@@ -266,16 +269,18 @@ def test_reference_backward_with_deterministic_is_bitwise_reproducible_on_gpu():
 
 
 @pytest.mark.parametrize("b,h,d,s1", [(1, 128, 576, 600), (2, 64, 512, 600), (2, 100, 576, 600),
-                                      (1, 16, 512, 600), (1, 128, 512, 40000)],
+                                      (1, 16, 512, 600), (1, 128, 512, 40000),
+                                      (1, 128, 576, 33000)],
                          ids=["B1H128D576", "B2H64D512", "B2H100D576", "B1H16D512",
-                              "B1H128D512S40000"])
+                              "B1H128D512S40000", "B1H128D576S33000"])
 def test_two_pools_on_the_kernels_match_the_oracle(b, h, d, s1):
     """sparse_mla(..., extra_kv=, extra_idx=, extra_topk_length=) on the kernels: o, lse and the
     gradients of q, both pools and the sink against the float64 oracle on the concatenated
     pool (the window over a raw KV next to a top-k over a compressed KV). B1H128D576 and
     B2H100D576 run the two pools in one softmax (the two-pool backward kernel), B2H64D512
     combines one attention per pool, B1H16D512 runs grouped over the concatenation;
-    B1H128D512S40000's dkv outgrows the L2 (the evict-last two-pool build)."""
+    B1H128D512S40000's and B1H128D576S33000's dkv outgrow the L2 (the two-pool `_long`
+    builds)."""
     _kernel_or_skip()
     rng = np.random.default_rng(b * 1000 + h + d)
     p1 = make_problem(rng, b, 8, h, d, s1, 128, sink=True, topk="partial")  # window

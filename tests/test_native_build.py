@@ -29,9 +29,9 @@ def test_library_loads_and_exports_handlers():
         assert getattr(lib, sym) is not None
     assert _native.has_backward()
     lib.JaxDsaBwdNumKernels.restype = ctypes.c_int
-    # plain, deterministic, 3 grouped x 4 specs; plain and 3 grouped with evict-last REDs x 2
-    # specs (Dqk 512)
-    assert lib.JaxDsaBwdNumKernels() == 28
+    # plain, deterministic, 3 grouped, and the long-context builds of plain and 3 grouped,
+    # x 4 specs (bf16 / f16 x Dqk 512 / 576)
+    assert lib.JaxDsaBwdNumKernels() == 36
     # The default build has the list-union kernels (G = 2, 4, 8, each with 3 table sizes) that the
     # grouped backward needs; without them H = 32 / 16 / 8 would silently run the slower plain kernel.
     assert _native.has_group_union()

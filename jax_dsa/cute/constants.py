@@ -12,11 +12,10 @@ HEAD_DIMS = (512, 576)
 # makes each RED line-wide; ffi/kernels/sm90/scatter_layout.permuted_column), undone by
 # jax_dsa/cute/ffi.py: all of them.
 PERMUTED_DKV_DIMS = HEAD_DIMS
-# The head dims whose atomic backward is also built with evict-last dKV REDs (export suffix
-# `_el`), run when the fp32 dkv accumulator holds at least EVICT_LAST_MIN_DKV_BYTES (beyond the
-# H200's 60 MB L2). Measured at Dqk 512 only (at 576 it lost 1.7 % at S 8K).
-EVICT_LAST_DIMS = (512,)
-EVICT_LAST_MIN_DKV_BYTES = 64 << 20
+# The atomic backward's forms are also built for a dkv accumulator beyond the H200's 60 MB L2
+# (export suffix `_long`, tuned per head dim: ffi/build.py LONG_BWD_TUNING), run when the fp32
+# dkv holds at least LONG_DKV_MIN_BYTES.
+LONG_DKV_MIN_BYTES = 64 << 20
 # The most query heads one call may have (the 64-head tiles pad H inside the kernel).
 MAX_HEADS = 128
 # H up to this runs the small-heads forward (heads on wgmma's N side).
@@ -43,6 +42,6 @@ INDEXER_MAX_TOPK = INDEXER_TOPK_SIZES[-1]
 INDEXER_LOSS_MAX_K = 4096
 
 # Written into jax_dsa_constants.h by ffi/build.py (C++ name: k + CamelCase).
-CPP = ("D_V", "EVICT_LAST_DIMS", "EVICT_LAST_MIN_DKV_BYTES", "MAX_HEADS", "SMALL_HEADS",
+CPP = ("D_V", "LONG_DKV_MIN_BYTES", "MAX_HEADS", "SMALL_HEADS",
        "MEMBER_SHIFT", "GROUPS", "UNION_TABLES", "UNION_CAPACITY", "INDEXER_DIM",
        "INDEXER_MAX_HEADS", "INDEXER_TOPK_SIZES", "INDEXER_MAX_TOPK", "INDEXER_LOSS_MAX_K")

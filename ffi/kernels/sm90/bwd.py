@@ -75,7 +75,8 @@ DS_EMPTY = 2
 
 class SparseMlaBwdSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                 group: int = 1, red_evict_last: bool = False, wg0_chunks: int | None = None):
+                 group: int = 1, red_evict_last: bool = False, wg0_chunks: int | None = None,
+                 early_release: bool = True):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -83,8 +84,8 @@ class SparseMlaBwdSm90:
         self.d_v = d_v
         self.rope = d_qk - d_v  # 0 or 64
         self.deterministic = deterministic
-        # The dKV REDs with an L2 evict-last policy: the `_el` exports at Dqk 512, which the
-        # handler runs when the fp32 dkv accumulator outgrows the L2 (the lines of the rows in
+        # The dKV REDs with an L2 evict-last policy (the `_long` exports at Dqk 512, which the
+        # handler runs when the fp32 dkv accumulator outgrows the L2: the lines of the rows in
         # flight then stay; docs/kernel_log.md, eleventh session).
         self.red_evict_last = red_evict_last
         self.fold_scale = dtype is cutlass.BFloat16
@@ -107,6 +108,9 @@ class SparseMlaBwdSm90:
         # WG1 at Dqk 512, 4 of 9 in WG0 at 576 (docs/kernel_log.md).
         self.wg0_chunks = (0 if d_qk == 512 else 4) if wg0_chunks is None else wg0_chunks
         assert 0 <= self.wg0_chunks < self.n_ch
+        # Dqk 576: WG1 releases P / dS before its last chunk's scatter (that chunk peeled off
+        # the runtime loop), or with False after it (the long-context build: docs/design.md)
+        self.early_release = early_release
         # dkv is added in the permuted column layout (scatter_layout.permuted_column), which
         # the Python wrapper undoes
         assert d_qk in PERMUTED_DKV_DIMS
@@ -815,20 +819,23 @@ class SparseMlaBwdSm90:
                         cute.arch.mbarrier_arrive(release)
                 self._scatter(accs[(ch - ch_lo) % 2], lane, rows, g_bases, ch, out_scale, mDKV)
         else:
-            # with `release`, the last chunk is peeled off the loop so that the release comes
-            # between its MMA and its scatter
-            ch_loop = ch_hi if cutlass.const_expr(release is None) else ch_hi - 1
+            # with `release` and early_release, the last chunk is peeled off the loop so that
+            # the release comes between its MMA and its scatter; else after the loop
+            peel = release is not None and self.early_release
+            ch_loop = ch_hi - 1 if cutlass.const_expr(peel) else ch_hi
             for ch in cutlass.range(ch_lo, ch_loop, unroll=1):
                 acc = self._dkv_issue(dkv_mma, thr_kv, acc_kv_shape, tKrDS, tKrP, q_sw, do_sw,
                                       sTt_layout, kh, ch)
                 warpgroup.wait_group(0)
                 self._scatter(acc, lane, rows, g_bases, ch, out_scale, mDKV)
-            if cutlass.const_expr(release is not None):
+            if cutlass.const_expr(peel):
                 acc = self._dkv_issue(dkv_mma, thr_kv, acc_kv_shape, tKrDS, tKrP, q_sw, do_sw,
                                       sTt_layout, kh, ch_hi - 1)
                 warpgroup.wait_group(0)
                 cute.arch.mbarrier_arrive(release)
                 self._scatter(acc, lane, rows, g_bases, ch_hi - 1, out_scale, mDKV)
+            elif cutlass.const_expr(release is not None):
+                cute.arch.mbarrier_arrive(release)
 
     @cute.jit
     def _dkv_issue(self, dkv_mma: cute.TiledMma, thr_kv, acc_kv_shape, tKrDS: cute.Tensor,
@@ -918,9 +925,8 @@ class SparseMlaBwdTwoPoolSm90(SparseMlaBwdSm90):
     dkv has S = S1 + S2 rows; only the gather reads row r from kv2[b, r - S1] when r >= S1
     (_kv_source). Everything else is the one-pool kernel's."""
 
-    def __init__(self, dtype, d_qk: int, d_v: int = 512, red_evict_last: bool = False,
-                 wg0_chunks: int | None = None):
-        super().__init__(dtype, d_qk, d_v, red_evict_last=red_evict_last, wg0_chunks=wg0_chunks)
+    def __init__(self, dtype, d_qk: int, d_v: int = 512, **tuning):
+        super().__init__(dtype, d_qk, d_v, **tuning)
 
     @cute.jit
     def __call__(
@@ -1002,20 +1008,17 @@ class SparseMlaBwdTwoPoolSm90(SparseMlaBwdSm90):
                    dq1_mma, dqr_mma, dkv_mma, SharedStorage, (mKV2, S1))
 
 
-def compile_bwd_two_pool(dtype, d_qk: int, d_v: int = 512, red_evict_last: bool = False,
-                         wg0_chunks: int | None = None):
-    """Compile the two-pool backward with fake tensors (common.bwd_two_pool_fake_args)."""
-    return cute.compile(SparseMlaBwdTwoPoolSm90(dtype, d_qk, d_v, red_evict_last=red_evict_last,
-                                                wg0_chunks=wg0_chunks),
+def compile_bwd_two_pool(dtype, d_qk: int, d_v: int = 512, **tuning):
+    """Compile the two-pool backward with fake tensors (common.bwd_two_pool_fake_args);
+    `tuning`: red_evict_last, wg0_chunks, early_release (SparseMlaBwdSm90)."""
+    return cute.compile(SparseMlaBwdTwoPoolSm90(dtype, d_qk, d_v, **tuning),
                         *bwd_two_pool_fake_args(dtype, d_qk, d_v))
 
 
 def compile_bwd(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
-                group: int = 1, red_evict_last: bool = False, wg0_chunks: int | None = None,
-                options: str | None = None):
+                group: int = 1, options: str | None = None, **tuning):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
-    needed. `wg0_chunks`: dKV chunks computed by WG0 (None: the default for d_qk). `options`:
-    extra cute.compile options, e.g. "--ptxas-options '-v'"."""
-    return cute.compile(SparseMlaBwdSm90(dtype, d_qk, d_v, deterministic, group=group,
-                                         red_evict_last=red_evict_last, wg0_chunks=wg0_chunks),
+    needed. `tuning`: red_evict_last, wg0_chunks (None: the default for d_qk), early_release
+    (SparseMlaBwdSm90). `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
+    return cute.compile(SparseMlaBwdSm90(dtype, d_qk, d_v, deterministic, group=group, **tuning),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))
