@@ -25,7 +25,8 @@ gathered, delta per row. Per 64-row KV block n:
     columns [0, 256) with block n + 1; dKV chunks [0, wg0_chunks) (none at Dqk 512, 4 at 576).
   * WG1: dQ[:, 256:Dqk] += dS K (both operands in shared memory, rope part included); refills
     columns [256, Dqk); dKV chunks [wg0_chunks, n_ch); arrives ds_empty once the last chunk's
-    MMA is done, before that chunk's scatter.
+    MMA is done, before that chunk's scatter (after it in the Dqk 576 `_long` builds:
+    early_release False, 3 chunks in WG0).
   Each column range is refilled by its last reader, so the single stage needs no "kv empty"
   barrier and block n + 1's gather runs under block n's dKV chunks. A dKV chunk (64 rows x 64
   columns) is a wgmma over MN-major views of the resident tiles with ceil(live heads / 16)
