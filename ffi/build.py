@@ -47,8 +47,8 @@ def _constants():
 
 # The atomic backward's `_long` builds, which the handler runs when the fp32 dkv accumulator
 # holds at least LONG_DKV_MIN_BYTES (beyond the H200's 60 MB L2): evict-last dKV REDs at Dqk 512
-# (-2 to -5 % at S 64K); at 576 three dKV chunks in WG0 and ds_empty after WG1's last scatter,
-# the short-context default's schedule measured 2.4 % slower at S 128K (docs/kernel_log.md).
+# (-2 to -5 % at S 64K); at 576 three dKV chunks in WG0 and ds_empty after WG1's last scatter
+# (the default's four chunks and early release are 2.4 % slower at S 128K; docs/kernel_log.md).
 LONG_BWD_TUNING = {512: dict(red_evict_last=True), 576: dict(wg0_chunks=3, early_release=False)}
 
 

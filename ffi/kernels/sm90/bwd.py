@@ -769,7 +769,7 @@ class SparseMlaBwdSm90:
         stores) each chunk. `release` (an mbarrier or None) is arrived on once the last chunk's
         MMA is done, when the P / dS tiles and the row slot (read into registers at the start)
         are free, before that chunk's scatter (at Dqk 576 the last chunk is peeled off the
-        runtime loop for this)."""
+        runtime loop for this; with early_release False it comes after the loop)."""
         bn, bm = self.bn, self.bm
         thr_kv = dkv_mma.get_slice(gtid)
         tKrDS = thr_kv.make_fragment_A(thr_kv.partition_A(cute.make_tensor(ds_sw, sTt_layout)))
