@@ -34,12 +34,16 @@ nvidia-cutlass-dsl with its libs (including `nvidia_cutlass_dsl/dsl_packages`), 
   PYTHONPATH=$W:$W/nvidia_cutlass_dsl/dsl_packages python3 dev/peer_cudnn_training.py [v4flash]
 Prints one RESULT line per kernel and shape (or RESULT ... FAILED <type>: <message>).
 A second argument names the pieces to run (comma-separated: score_recompute, indexer_bwd,
-attn_bwd; default all).
+attn_bwd; default all). A third names a directory of lists to use instead of the uniform random
+ones: <label>.npy, [1, T, topk] int32, as `examples/benchmark_layer.py --save-lists DIR` writes
+the lists our indexer selected (so that both libraries run the same entries).
 """
+import os
 import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 T, S, RATIO = 4096, 65536, 4
@@ -238,8 +242,14 @@ def indexer_backward(label, topk, idx, g):
     torch.cuda.empty_cache()
 
 
-def run_shape(label, H, topk, g, pieces):
-    idx = make_indices(topk, g)
+def run_shape(label, H, topk, g, pieces, lists_dir=None):
+    path = os.path.join(lists_dir, f"{label}.npy") if lists_dir else None
+    if path and os.path.isfile(path):  # the lists our layer benchmark selected (--save-lists)
+        idx = torch.from_numpy(np.load(path)).to(device="cuda", dtype=torch.int32).contiguous()
+        assert idx.shape == (1, T, topk), (path, idx.shape)
+        print(f"NOTE lists of {label} from {path}", flush=True)
+    else:
+        idx = make_indices(topk, g)
     if "score_recompute" in pieces:
         score_recompute(label, H, topk, idx, g)
     if "indexer_bwd" in pieces:
@@ -254,12 +264,13 @@ def main():
     only = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] != "all" else None
     pieces = set((sys.argv[2] if len(sys.argv) > 2 else
                   "score_recompute,indexer_bwd,attn_bwd").split(","))
+    lists_dir = sys.argv[3] if len(sys.argv) > 3 else None
     g = torch.Generator(device="cuda").manual_seed(0)
     print(f"NOTE torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     for label, H, topk in SHAPES:
         if only and only not in label:
             continue
-        run_shape(label, H, topk, g, pieces)
+        run_shape(label, H, topk, g, pieces, lists_dir)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Benchmark of one DSA layer's training step, piece by piece (DeepSeek-V4 layout).
 
     python examples/benchmark_layer.py [--impls cute,xla] [--shapes V4-Flash,V4-Pro] [--small]
+                                       [--save-lists DIR]
 
 T = 4096 queries at the end of a sequence of S = 64K positions: a window of 128 raw-KV rows
 plus the indexer's top-k of the S / 4 compressed rows (ratio 4) as a second KV pool, a learned
@@ -87,6 +88,12 @@ def main(argv=None):
     ap.add_argument("--shapes", default="", help="comma-separated labels (default: all)")
     ap.add_argument("--small", action="store_true", help="CPU-sized shapes (T 64, S 1024)")
     ap.add_argument("--batches", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=10, help="calls per batch (at least)")
+    ap.add_argument("--batch-ms", type=float, default=25.0,
+                    help="grow each batch to about this many ms (host gaps amortised)")
+    ap.add_argument("--save-lists", metavar="DIR", default="",
+                    help="write each shape's selected compressed lists to DIR/<label>.npy "
+                         "([1, T, top-k] int32; label v4flash / v4pro), for a peer to run on")
     args = ap.parse_args(argv)
     t, s = (64, 1024) if args.small else (4096, 65536)
     keep = [x for x in args.shapes.split(",") if x]
@@ -102,6 +109,10 @@ def main(argv=None):
         for impl in impls:
             select, attend, target, index_grad, step = pieces(impl, topk, s - t)
             idx = jax.jit(select)(a)
+            if args.save_lists:
+                os.makedirs(args.save_lists, exist_ok=True)
+                np.save(os.path.join(args.save_lists, label.lower().replace("-", "") + ".npy"),
+                        np.asarray(idx, np.int32))
             fwd = jax.jit(attend)
             fargs = (a["q"], a["kv"], a["kv_c"], a["sink"], a["window"], idx)
             o, lse = fwd(*fargs)
@@ -109,15 +120,16 @@ def main(argv=None):
                                                                     idx)[0],
                                   a["q"], a["kv"], a["kv_c"], a["sink"])
             tgt = jax.jit(target)(a, idx, lse)
+            timing = (args.calls, args.batches, args.batch_ms)
             times = {
-                "indexer": time_call(jax.jit(select), (a,), 3, args.batches),
-                "attn fwd": time_call(fwd, fargs, 3, args.batches),
+                "indexer": time_call(jax.jit(select), (a,), *timing),
+                "attn fwd": time_call(fwd, fargs, *timing),
                 "attn bwd": time_call(jax.jit(lambda f, do: f(do)), (vjp_fn, o),
-                                      3, args.batches),
-                "target": time_call(jax.jit(target), (a, idx, lse), 3, args.batches),
+                                      *timing),
+                "target": time_call(jax.jit(target), (a, idx, lse), *timing),
                 "index bwd": time_call(jax.jit(index_grad), (a["q_i"], a["k_i"], a["w_i"], idx,
-                                                             tgt), 3, args.batches),
-                "step": time_call(jax.jit(step), (a,), 3, args.batches),
+                                                             tgt), *timing),
+                "step": time_call(jax.jit(step), (a,), *timing),
             }
             results.append((label, impl, times))
             print(f"{label:9s} {impl:10s} " + "  ".join(f"{k} {v * 1e3:8.2f} ms"
