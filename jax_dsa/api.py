@@ -57,11 +57,11 @@ def sparse_mla(q, kv, idx, *, scale=None, sink=None, topk_length=None, d_v=None,
         its own lists ([B, T, K2] int32, optional lengths [B, T]), e.g. DeepSeek-V4's sliding
         window over the raw KV next to the top-k over the compressed KV. Each token attends to
         the entries of both lists under one softmax (and the sink); gradients reach both. It
-        runs as one attention over both pools (on the kernels the forward reads each pool in
-        place; the backward, and the reference, work on the pools concatenated inside the op),
-        or, where copying the pools would move more bytes than combining (decode: few tokens
-        against long pools), as one call per pool combined by their lse
-        (jax_dsa.reference.combine_partials).
+        runs as one attention over both pools (on the kernels the forward and the plain
+        backward read each pool in place; the deterministic and grouped backward and the
+        reference work on the pools concatenated inside the op), or, where copying the pools
+        would move more bytes than combining (decode: few tokens against long pools), as one
+        call per pool combined by their lse (jax_dsa.reference.combine_partials).
 
     Returns:
       o [B, T, H, d_v] in q's dtype (zeros on a row with no valid entry), and lse if return_lse.
