@@ -1,12 +1,15 @@
 """Benchmark of one DSA layer's training step, piece by piece (DeepSeek-V4 layout).
 
     python examples/benchmark_layer.py [--impls cute,xla] [--shapes V4-Flash,V4-Pro] [--small]
+                                       [--batches 5] [--calls 10] [--batch-ms 25]
                                        [--save-lists DIR]
 
 T = 4096 queries at the end of a sequence of S = 64K positions: a window of 128 raw-KV rows
 plus the indexer's top-k of the S / 4 compressed rows (ratio 4) as a second KV pool, a learned
 sink; the indexer has Hi = 64 heads of Di = 128 over the compressed rows. Pieces, each a jitted
-function timed on its own (wall clock of back-to-back calls, median of batches):
+function timed on its own (wall clock of back-to-back calls, median of batches of at least
+--calls calls grown to about --batch-ms; at the H200's power cap a batch that starts from an
+idle GPU runs faster than sustained load: docs/performance.md, "Duty cycle"):
 
   indexer      jax_dsa.indexer_topk (scores + top-k of the compressed rows)
   attn fwd     jax_dsa.sparse_mla over both pools (o, lse)
