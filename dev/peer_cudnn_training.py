@@ -36,7 +36,9 @@ Prints one RESULT line per kernel and shape (or RESULT ... FAILED <type>: <messa
 A second argument names the pieces to run (comma-separated: score_recompute, indexer_bwd,
 attn_bwd; default all). A third names a directory of lists to use instead of the uniform random
 ones: <label>.npy, [1, T, topk] int32, as `examples/benchmark_layer.py --save-lists DIR` writes
-the lists our indexer selected (so that both libraries run the same entries).
+the lists our indexer selected (so that both libraries run the same entries). A fourth, N > 0,
+adds per kernel a burst (10 calls after 3 s idle) and N sustained back-to-back calls between
+events, as `dev/profile_layer.py LABEL PIECE N` times ours.
 """
 import os
 import statistics
@@ -47,6 +49,7 @@ import numpy as np
 import torch
 
 T, S, RATIO = 4096, 65536, 4
+REPEAT = 0  # main's fourth argument: burst and sustained timings of that many calls
 ROWS = S // RATIO  # compressed KV rows
 D, HI, DI = 512, 64, 128  # attention head dim; indexer heads and head dim
 SHAPES = [("v4flash", 64, 512), ("v4pro", 128, 1024)]  # label, attention heads H, topk
@@ -147,6 +150,16 @@ def bench(kernel, label, heads, topk, candidates):
     peak = torch.cuda.max_memory_allocated() / 2**20
     print(f"{head} T={T} S={S} H={heads} topk={topk} us={statistics.median(per):.1f} "
           f"first_s={first:.1f} peak_MB={peak:.0f}", flush=True)
+    if REPEAT:  # a burst from an idle GPU, then sustained back-to-back calls (power cap)
+        for name, n, idle in (("burst", 10, 3.0), ("sustained", REPEAT, 0.0)):
+            time.sleep(idle)
+            e0.record()
+            for _ in range(n):
+                fn()
+            e1.record()
+            e1.synchronize()
+            print(f"{head} {name}: {n} calls, {e0.elapsed_time(e1) / n:.3f} ms per call "
+                  "(events)", flush=True)
     return out
 
 
@@ -265,6 +278,8 @@ def main():
     pieces = set((sys.argv[2] if len(sys.argv) > 2 else
                   "score_recompute,indexer_bwd,attn_bwd").split(","))
     lists_dir = sys.argv[3] if len(sys.argv) > 3 else None
+    global REPEAT
+    REPEAT = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     g = torch.Generator(device="cuda").manual_seed(0)
     print(f"NOTE torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     for label, H, topk in SHAPES:
