@@ -67,8 +67,9 @@ def dense_forward(q, kv, counts, sink, scale, d_v):
     w = jnp.where(present, w, 0.0)
     l = jnp.sum(w, axis=-1)
     denom = l if sink is None else l + jnp.exp(sink[None, None, :] - m)
-    o = jnp.einsum("bths,bsd->bthd", w, kv[..., :d_v]) / jnp.where(live | (sink is not None),
-                                                                    denom, 1.0)[..., None]
+    # (a dead row has w = 0, so o = 0; its denominator is 0 without a sink or with sink -inf)
+    o = jnp.einsum("bths,bsd->bthd", w, kv[..., :d_v]) / jnp.where(denom > 0, denom,
+                                                                    1.0)[..., None]
     lse = jnp.where(live, m + jnp.log(jnp.where(live, l, 1.0)), -jnp.inf)
     return o, lse
 
