@@ -111,9 +111,8 @@ def _local_forward_two_pool(q, kv, idx, topk_length, kv2, idx2, topk_length2, si
 def _local_backward_two_pool(q, kv, idx, topk_length, kv2, idx2, topk_length2, sink, o, lse, do,
                              dlse, *, scale, d_v, impl, config, deterministic):
     """The two-pool backward of one shard, (dq, dkv fp32, dkv2 fp32, dsink [B, H]): the
-    two-pool kernel (pools and lists read in place) where the resolved backward is the plain
-    one and both lists have entries, else the one-pool backward over the concatenation, its dkv
-    split back into the pools."""
+    two-pool kernel (pools read in place) where the resolved backward is the plain one, else
+    the one-pool backward over the concatenation, its dkv split back into the pools."""
     s1, s2 = kv.shape[1], kv2.shape[1]
     local = dict(scale=scale, d_v=d_v, config=config, deterministic=deterministic)
 
@@ -129,12 +128,11 @@ def _local_backward_two_pool(q, kv, idx, topk_length, kv2, idx2, topk_length2, s
         from jax_dsa.cute import ffi, kernel as cute_kernel
         k = idx.shape[-1] + idx2.shape[-1]
         cfg = kernel_config.resolve(config, q.shape, k, s1 + s2, deterministic)
-        if (deterministic or cfg.bwd.group != 1 or not ffi.has_two_pool_backward()
-                or idx.shape[-1] == 0 or idx2.shape[-1] == 0):
+        if deterministic or cfg.bwd.group != 1 or not ffi.has_two_pool_backward():
             return concatenated("cute")
-        return split(*cute_kernel.backward_two_pool(q, kv, kv2, idx, topk_length, idx2,
-                                                    topk_length2, sink, o, lse, do, dlse,
-                                                    scale=scale))
+        idx_c, len_c = one_list(idx, topk_length, idx2, topk_length2, s1, s2)
+        return split(*cute_kernel.backward_two_pool(q, kv, kv2, idx_c, len_c, sink, o, lse, do,
+                                                    dlse, scale=scale))
 
     if impl == "xla" or not _backward_kernel_built():
         return concatenated("xla")

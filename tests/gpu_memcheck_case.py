@@ -69,30 +69,24 @@ for h, d, k1 in ((100, 576, 100), (64, 512, 1)):
     print(f"two pools H={h} Dqk={d} K1={k1}: ok")
 print("two-pool memcheck case done")
 
-# The two-pool backward kernel, called directly: each list with entries on both sides of its
-# pool's range (pool 1's reaching into pool 2's numbering), partial lengths, pool 1's list not a
-# multiple of 64, padded heads, heads with and without a sink, B = 2 (pool 2's batch offset
-# differs from pool 1's).
-for h, d, k1 in ((100, 576, 100), (64, 512, 1)):
-    b, t, s1, s2, k2 = 2, 5, 37, 23, 150
+# The two-pool backward kernel, called directly: a list over both pools' rows [0, S1 + S2) with
+# entries on both sides of that range and at the boundary between the pools, partial lengths,
+# padded heads, B = 2 (pool 2's batch offset differs from pool 1's).
+for h, d in ((100, 576), (64, 512)):
+    b, t, s1, s2, k = 2, 5, 37, 23, 150
     q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16)
     kv1 = jnp.asarray(rng.standard_normal((b, s1, d)), jnp.bfloat16)
     kv2 = jnp.asarray(rng.standard_normal((b, s2, d)), jnp.bfloat16)
-    idx1 = jnp.asarray(rng.integers(-40, s1 + s2 + 40, (b, t, k1)).astype(np.int32))
-    idx2 = jnp.asarray(rng.integers(-40, s1 + s2 + 40, (b, t, k2)).astype(np.int32))
-    tl1 = jnp.asarray(rng.integers(0, k1 + 1, (b, t)).astype(np.int32))
-    tl2 = jnp.asarray(rng.integers(0, k2 + 1, (b, t)).astype(np.int32))
+    idx = jnp.asarray(rng.integers(-40, s1 + s2 + 40, (b, t, k)).astype(np.int32))
+    tl = jnp.asarray(rng.integers(0, k + 1, (b, t)).astype(np.int32))
     lse = jnp.asarray(rng.standard_normal((b, t, h)) + 5.0, jnp.float32)
     do = jnp.asarray(rng.standard_normal((b, t, h, 512)), jnp.bfloat16)
     o = jnp.asarray(rng.standard_normal((b, t, h, 512)), jnp.bfloat16)
-    sink = jnp.asarray(np.where(np.arange(h) % 3 == 0, -np.inf, rng.standard_normal(h)),
-                       jnp.float32)
-    dlse = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
-    dq, dkv, dsink = cute_ffi.sparse_mla_bwd_two_pool(q, kv1, kv2, idx1, tl1, idx2, tl2, lse, do,
-                                                      o, sink, dlse, scale=d ** -0.5)
+    coef = jnp.ones((b, t, h, 2), jnp.float32)
+    dq, dkv, delta = cute_ffi.sparse_mla_bwd_two_pool(q, kv1, kv2, idx, tl, lse, do, o, coef,
+                                                      scale=d ** -0.5)
     assert dkv.shape == (b, s1 + s2, d) and np.isfinite(np.asarray(dkv)).all()
-    assert dsink.shape == (b, h) and np.isfinite(np.asarray(dsink)).all()
-    print(f"two-pool backward H={h} Dqk={d} K1={k1}: ok")
+    print(f"two-pool backward H={h} Dqk={d}: ok")
 print("two-pool backward memcheck case done")
 
 # Backward through the kernels on the same kind of problem, atomic and deterministic; H = 32, 16

@@ -12,10 +12,9 @@ entry j of token bt and head block hb is stored, all Dqk columns, at workspace r
 ((bt - t_begin) * K + j) * n_hb + hb, and dkv_reduce.py sums each kv row's run in a fixed
 order); group = 2 / 4 / 8 (the 64 rows are `group` consecutive tokens of 64 / group heads over
 their merged list, jax_dsa/cute/grouping.py; head row i sees an entry only if membership bit
-MEMBER_SHIFT + i // (64 / group) is set); two pools (SparseMlaBwdTwoPoolSm90, plain form: both
-lists read in place, blocks of pool 1's list then of pool 2's, their rows numbered as one pool
-with pool 2's from S1 on, so that only the index load and the gather's source address depend on
-the pool; c and the sink's gradient computed in the kernel from the sink and lse).
+MEMBER_SHIFT + i // (64 / group) is set); two pools (SparseMlaBwdTwoPoolSm90, plain form: the
+list numbers kv's rows then kv2's from S1 on, dkv holds both, and only the gather's source
+address depends on the pool, _kv_source).
 
 Grid (n_tok tokens from t_begin x ceil(H / 64) head blocks, a token's head blocks adjacent),
 256 threads = 2 warpgroups, one CTA per SM (up to 255 registers a thread). Prologue: the loads
@@ -64,8 +63,8 @@ from jax_dsa.cute.constants import MEMBER_SHIFT as GROUP_SHIFT, PERMUTED_DKV_DIM
 
 from .common import (LOG2_E, acc_mn_view, bwd_fake_args, bwd_two_pool_fake_args, chunk16,
                      compile_options,
-                     cp_async_16_zfill, gather_source, load_block_indices, red_add_f32,
-                     red_add_v4_f32, st_global_v4_f32)
+                     cp_async_16_zfill, gather_source, load_block_indices, red_add_v4_f32,
+                     st_global_v4_f32)
 from .scatter_layout import pair_rows_exchange
 
 
@@ -229,32 +228,6 @@ class SparseMlaBwdSm90:
         """load_block_indices' (bn, step, passes) for this kernel's gather threads."""
         return self.bn, self.g_rows, self.g_passes
 
-    @cute.jit
-    def _block_indices(self, lists, dst: cute.Tensor, blk, grow: cutlass.Int32):
-        """A gather thread's indices of block blk (load_block_indices). lists: (idx, valid
-        length, the token's offset in idx) of one pool; two pools add pool 2's three, the
-        blocks of pool 1's list (n_blocks1), S1 and S2: block blk < n_blocks1 reads pool 1's
-        list (rows >= S1 invalid), later blocks pool 2's (row r -> S1 + r, rows >= S2
-        invalid), in the numbering of both pools as one that the gather and dkv use."""
-        if cutlass.const_expr(len(lists) == 3):
-            mIdx, k_eff, idx_base = lists
-            load_block_indices(mIdx, dst, blk, k_eff, idx_base, grow, *self._idx_walk)
-        else:
-            mIdx, k_eff, idx_base, mIdx2, k_eff2, idx_base2, n_blocks1, s1, s2 = lists
-            if blk < n_blocks1:
-                load_block_indices(mIdx, dst, blk, k_eff, idx_base, grow, *self._idx_walk)
-                for p in cutlass.range_constexpr(self.g_passes):
-                    if dst[p] >= s1:
-                        dst[p] = cutlass.Int32(-1)
-            else:
-                load_block_indices(mIdx2, dst, blk - n_blocks1, k_eff2, idx_base2, grow,
-                                   *self._idx_walk)
-                for p in cutlass.range_constexpr(self.g_passes):
-                    v = dst[p]
-                    dst[p] = cutlass.Int32(-1)
-                    if v >= 0 and v < s2:
-                        dst[p] = v + s1
-
     def _gather_mapping(self, gtid):
         """Gather thread mapping: 8 threads per row, rows grow + 16 p; (grow, gsub, index
         registers)."""
@@ -289,7 +262,7 @@ class SparseMlaBwdSm90:
         kv_addr = mKV.iterator.toint()
         src = (kv_addr,)
         if cutlass.const_expr(pool2 is not None):
-            mKV2, s1 = pool2[0], pool2[1]
+            mKV2, s1 = pool2
             rb = cutlass.Int64(self.d_qk * 2)
             bb = cutlass.Int64(b)
             base1 = kv_addr - bb * cutlass.Int64(S - s1) * rb
@@ -408,9 +381,7 @@ class SparseMlaBwdSm90:
         SharedStorage: cutlass.Constexpr,
         pool2,
     ):
-        """The kernel body. pool2: None, or SparseMlaBwdTwoPoolSm90's (mKV2, S1, mIdx2, mLen2,
-        K2, mSink, mDlse, mDsink), with mCoef and mDelta None (c and dsink come from the sink
-        and lse here)."""
+        """The kernel body (pool2: None, or SparseMlaBwdTwoPoolSm90's (mKV2, S1))."""
         bm, bn = self.bm, self.bn
         d_qk, d_v = self.d_qk, self.d_v
         tidx, _, _ = cute.arch.thread_idx()
@@ -427,15 +398,6 @@ class SparseMlaBwdSm90:
         n_blocks = (k_eff + bn - 1) // bn
         idx_base = bt * cutlass.Int64(K)
         kv_batch = cutlass.Int64(b) * cutlass.Int64(S)
-        lists = (mIdx, k_eff, idx_base)  # _block_indices' lists
-        if cutlass.const_expr(pool2 is not None):
-            # blocks [0, ceil(K / bn)) are pool 1's list, the next ones pool 2's valid prefix
-            mIdx2, mLen2, K2 = pool2[2], pool2[3], pool2[4]
-            n_blocks1 = (K + bn - 1) // bn
-            k_eff2 = cutlass.min(K2, cutlass.max(mLen2[bt], 0))
-            n_blocks = n_blocks1 + (k_eff2 + bn - 1) // bn
-            lists = (mIdx, k_eff, idx_base, mIdx2, k_eff2, bt * cutlass.Int64(K2), n_blocks1,
-                     pool2[1], S - pool2[1])
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -476,12 +438,8 @@ class SparseMlaBwdSm90:
             if h < H:
                 rq = bt * cutlass.Int64(H) + cutlass.Int64(h)
                 pre_lse[r] = mLse[rq]
-                if cutlass.const_expr(pool2 is None):
-                    pre_c[r] = mCoef[rq * 2]
-                    pre_dlse[r] = mCoef[rq * 2 + 1]
-                else:  # the sink for now: c once lse is known to be finite
-                    pre_c[r] = pool2[5][h]
-                    pre_dlse[r] = pool2[6][rq]
+                pre_c[r] = mCoef[rq * 2]
+                pre_dlse[r] = mCoef[rq * 2 + 1]
 
         if tidx == 0:
             cute.arch.mbarrier_init(mbar + KV_FULL, 2 * self.threads)
@@ -519,9 +477,6 @@ class SparseMlaBwdSm90:
         for p in cutlass.range_constexpr(self.g_passes):  # entries past the valid length
             if grow + self.g_rows * p >= k_eff:
                 idx_r[p] = cutlass.Int32(-1)
-            if cutlass.const_expr(pool2 is not None):  # block 0 is pool 1's: rows [0, S1)
-                if idx_r[p] >= pool2[1]:
-                    idx_r[p] = cutlass.Int32(-1)
         if n_blocks > 0:
             if wg == 0:
                 self._gather(kv_src, g_dbase, idx_r, S, kv_batch, grow, gsub, 0,
@@ -538,14 +493,7 @@ class SparseMlaBwdSm90:
         n_io = d_v // 8 // self.io_tpr
         rO = cute.make_rmem_tensor((8, n_io), self.dtype)
         rO.fill(0)
-        # two pools: this row's sink and lse for its dsink term (-inf: none)
-        d_sink = -cutlass.Float32.inf
-        d_lse = -cutlass.Float32.inf
         if q_ok:
-            if cutlass.const_expr(pool2 is not None):
-                if csub == 0:
-                    d_sink = pool2[5][h0 + crow]
-                    d_lse = mLse[q_row]
             ld_atom = cute.make_copy_atom(
                 cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
             )
@@ -568,18 +516,8 @@ class SparseMlaBwdSm90:
             delta = delta + cute.arch.shuffle_sync_bfly(delta, offset=1 << sh)
         if csub == 0:
             sDelta[crow] = delta
-            if cutlass.const_expr(pool2 is None):
-                if q_ok:
-                    mDelta[q_row] = delta
-            else:
-                # dsink[b, h] -= (1 - c) delta, 1 - c = 1 / (1 + e^(lse - sink)) (rows with a
-                # sink and a finite lse only: none for "no sink", none on dead rows)
-                if d_sink > -cutlass.Float32.inf and d_lse > -cutlass.Float32.inf:
-                    share = 1.0 / (1.0 + cute.math.exp2((d_lse - d_sink) * LOG2_E,
-                                                        fastmath=True))
-                    red_add_f32(pool2[7].iterator + (cutlass.Int64(b) * cutlass.Int64(H)
-                                                     + cutlass.Int64(h0 + crow)),
-                                -share * delta)
+            if q_ok:
+                mDelta[q_row] = delta
         cute.arch.sync_threads()  # sDelta visible to WG0
 
         # live heads of this CTA -> dKV k-steps (K = heads)
@@ -617,9 +555,6 @@ class SparseMlaBwdSm90:
                 if pre_lse[r] > -cutlass.Float32.inf:  # padded heads kept -inf
                     lse2 = pre_lse[r] * LOG2_E
                     cc = pre_c[r]
-                    if cutlass.const_expr(pool2 is not None):  # c = 1 / (1 + e^(sink - lse))
-                        cc = 1.0 / (1.0 + cute.math.exp2((pre_c[r] - pre_lse[r]) * LOG2_E,
-                                                         fastmath=True))
                     dd = cc * sDelta[tScS[r, 0][0]] - pre_dlse[r]
                 row_lse[r] = lse2
                 row_c[r] = cc
@@ -638,7 +573,8 @@ class SparseMlaBwdSm90:
             for blk in range(n_blocks):
                 slot = blk % 2
                 # next block's indices now; their latency hides behind the MMAs
-                self._block_indices(lists, idx_r, blk + 1, grow)
+                load_block_indices(mIdx, idx_r, blk + 1, k_eff, idx_base, grow,
+                                   *self._idx_walk)
                 cute.arch.mbarrier_wait(mbar + KV_FULL, blk % 2)
                 cute.arch.fence_proxy("async.shared", space="cta")
 
@@ -721,7 +657,7 @@ class SparseMlaBwdSm90:
         else:
             # ===================================== WG1 =====================================
             self._wg1(dq1_mma, dqr_mma, dkv_mma, gtid, sDS, kv_sw, sKt_layout, sTt_layout,
-                      n_blocks, lists, idx_r, grow, mbar, kv_src, g_dbase, S,
+                      n_blocks, mIdx, idx_r, k_eff, idx_base, grow, mbar, kv_src, g_dbase, S,
                       kv_batch, gsub, sRow, ds_sw, p_sw, q_sw, do_sw, bt32, t_begin, K, hb,
                       n_hb, kh, scale, mDKV, q_base, sOh_layout, sOr_layout)
 
@@ -738,7 +674,7 @@ class SparseMlaBwdSm90:
 
     @cute.jit
     def _wg1(self, dq1_mma, dqr_mma, dkv_mma, gtid, sDS, kv_sw, sKt_layout, sTt_layout,
-             n_blocks, lists, idx_r, grow, mbar, kv_src, g_dbase, S, kv_batch,
+             n_blocks, mIdx, idx_r, k_eff, idx_base, grow, mbar, kv_src, g_dbase, S, kv_batch,
              gsub, sRow, ds_sw, p_sw, q_sw, do_sw, bt32, t_begin, K, hb, n_hb, kh, scale, mDKV,
              q_base, sOh_layout, sOr_layout):
         """WG1's block loop: per block the dQ half on KV columns [256, Dqk), the refill of those
@@ -768,7 +704,7 @@ class SparseMlaBwdSm90:
 
         for blk in range(n_blocks):
             slot = blk % 2
-            self._block_indices(lists, idx_r, blk + 1, grow)
+            load_block_indices(mIdx, idx_r, blk + 1, k_eff, idx_base, grow, *self._idx_walk)
             cute.arch.mbarrier_wait(mbar + DS_FULL, blk % 2)
             cute.arch.mbarrier_wait(mbar + KV_FULL, blk % 2)
             cute.arch.fence_proxy("async.shared", space="cta")
@@ -985,15 +921,10 @@ class SparseMlaBwdSm90:
 
 # -------------------------------------------------------------------- AOT compile entry
 class SparseMlaBwdTwoPoolSm90(SparseMlaBwdSm90):
-    """The plain backward over two KV pools and two lists, as the two-pool forward reads them:
-    the token's blocks are ceil(K1 / 64) blocks of pool 1's list (entries past K1 or
-    topk_length, or outside [0, S1), invalid), then the blocks of pool 2's valid prefix
-    (entries outside [0, S2) invalid). The gather and dkv number both pools as one, pool 2's
-    rows from S1 on (_block_indices), and the gather reads row r from kv2[b, r - S1] when
-    r >= S1 (_kv_source): nothing is concatenated. Instead of coef and delta it takes the sink
-    [H] and dlse [B*T*H] and computes c per row, and adds each row's -(1 - c) delta to dsink
-    [B*H] (zero-filled by the caller) with one fp32 RED. Everything else is the one-pool
-    kernel's."""
+    """The plain backward over two KV pools without building one: idx holds both pools' rows
+    as one (pool 2's from S1 = kv's row count on, as jax_dsa._core.one_list numbers them) and
+    dkv has S = S1 + S2 rows; only the gather reads row r from kv2[b, r - S1] when r >= S1
+    (_kv_source). Everything else is the one-pool kernel's."""
 
     def __init__(self, dtype, d_qk: int, d_v: int = 512, **tuning):
         super().__init__(dtype, d_qk, d_v, **tuning)
@@ -1006,23 +937,19 @@ class SparseMlaBwdTwoPoolSm90(SparseMlaBwdSm90):
         mKV2: cute.Tensor,
         mIdx: cute.Tensor,
         mLen: cute.Tensor,
-        mIdx2: cute.Tensor,
-        mLen2: cute.Tensor,
         mLse: cute.Tensor,
         mDO: cute.Tensor,
         mO: cute.Tensor,
-        mSink: cute.Tensor,
-        mDlse: cute.Tensor,
+        mCoef: cute.Tensor,
         mDQ: cute.Tensor,
         mDKV: cute.Tensor,
-        mDsink: cute.Tensor,
+        mDelta: cute.Tensor,
         B: cutlass.Int32,
         T: cutlass.Int32,
         H: cutlass.Int32,
         S: cutlass.Int32,
         S1: cutlass.Int32,
         K: cutlass.Int32,
-        K2: cutlass.Int32,
         t_begin: cutlass.Int32,
         n_tok: cutlass.Int32,
         scale: cutlass.Float32,
@@ -1031,8 +958,8 @@ class SparseMlaBwdTwoPoolSm90(SparseMlaBwdSm90):
         n_hb = (H + self.bm - 1) // self.bm
         consts, smem_bytes = self._setup()
         self.kernel_two_pool(
-            mQ, mKV, mKV2, mIdx, mLen, mIdx2, mLen2, mLse, mDO, mO, mSink, mDlse, mDQ, mDKV,
-            mDsink, T, H, S, S1, K, K2, t_begin, n_hb, scale, *consts,
+            mQ, mKV, mKV2, mIdx, mLen, mLse, mDO, mO, mCoef, mDQ, mDKV, mDelta, T, H, S, S1, K,
+            t_begin, n_hb, scale, *consts,
         ).launch(grid=[n_tok * n_hb, 1, 1], block=[self.threads, 1, 1], smem=smem_bytes,
                  min_blocks_per_mp=1, stream=stream)
 
@@ -1044,22 +971,18 @@ class SparseMlaBwdTwoPoolSm90(SparseMlaBwdSm90):
         mKV2: cute.Tensor,
         mIdx: cute.Tensor,
         mLen: cute.Tensor,
-        mIdx2: cute.Tensor,
-        mLen2: cute.Tensor,
         mLse: cute.Tensor,
         mDO: cute.Tensor,
         mO: cute.Tensor,
-        mSink: cute.Tensor,
-        mDlse: cute.Tensor,
+        mCoef: cute.Tensor,
         mDQ: cute.Tensor,
         mDKV: cute.Tensor,
-        mDsink: cute.Tensor,
+        mDelta: cute.Tensor,
         T: cutlass.Int32,
         H: cutlass.Int32,
         S: cutlass.Int32,
         S1: cutlass.Int32,
         K: cutlass.Int32,
-        K2: cutlass.Int32,
         t_begin: cutlass.Int32,
         n_hb: cutlass.Int32,
         scale: cutlass.Float32,
@@ -1080,11 +1003,10 @@ class SparseMlaBwdTwoPoolSm90(SparseMlaBwdSm90):
         dkv_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
-        self._body(mQ, mKV, mIdx, mLen, mLse, mDO, mO, None, mDQ, mDKV, None, T, H, S, K,
+        self._body(mQ, mKV, mIdx, mLen, mLse, mDO, mO, mCoef, mDQ, mDKV, mDelta, T, H, S, K,
                    t_begin, n_hb, scale, swz, sQ_layout, sDO_layout, sKV_layout, sT_layout,
                    sKt_layout, sTt_layout, sO_layout, sOh_layout, sOr_layout, sdp_mma, dq0_mma,
-                   dq1_mma, dqr_mma, dkv_mma, SharedStorage,
-                   (mKV2, S1, mIdx2, mLen2, K2, mSink, mDlse, mDsink))
+                   dq1_mma, dqr_mma, dkv_mma, SharedStorage, (mKV2, S1))
 
 
 def compile_bwd_two_pool(dtype, d_qk: int, d_v: int = 512, **tuning):
