@@ -15,10 +15,13 @@
 //   rets:  dq [B, T, H, Dqk] (dtype of q), dkv [B, S, Dqk] f32, delta [B, T, H] f32
 //          (rowsum(do * o), for the caller's sink gradient)
 //
-// The two-pool handler (exports jax_dsa_bwd_two_pool_<dtype>_d<Dqk>, plain form) takes kv2
-// [B, S2, Dqk] after kv; idx numbers both pools as one (pool 2's rows from S1 = kv's row count
-// on, jax_dsa._core.one_pool) and dkv is [B, S1 + S2, Dqk]: the gather reads each row from its
-// own pool, nothing is concatenated.
+// The two-pool handler (exports jax_dsa_bwd_two_pool_<dtype>_d<Dqk>, plain form) reads both
+// pools in place: idx numbers both pools as one (pool 2's rows from S1 = kv's row count on,
+// jax_dsa._core.one_list), and the gather reads each row from its own pool.
+//   args:  q, kv [B, S1, Dqk], kv2 [B, S2, Dqk], idx [B, T, K], topk_length [B, T], lse, do, o,
+//          sink [H] f32, dlse [B, T, H] f32
+//   rets:  dq, dkv [B, S1 + S2, Dqk] f32 (pool 2's rows from S1 on), dsink [B, H] f32
+// The kernel computes c from the sink and lse and adds the sink's gradient itself.
 //
 // The deterministic handler takes three more int32 args, per chunk of tokens the entries sorted
 // by kv row (order, seg_end, rows; see jax_dsa.cute.deterministic.entry_order), and returns a
@@ -79,9 +82,9 @@ JAX_DSA_BWD_SPECS(JAX_DSA_BWD_SPEC)
 #undef JAX_DSA_BWD_SPEC
 
 struct Bwd2Args {
-  BwdArgs a;  // kv = pool 1 (rows_kv = B * S1), S = S1 + S2, dkv of both
-  void* kv2;
-  int64_t rows_kv2;
+  BwdArgs a;  // kv = pool 1 (rows_kv = B * S1), S = S1 + S2, dkv of both; no coef, delta
+  void *kv2, *sink, *dlse, *dsink;
+  int64_t rows_kv2, n_head, n_bh;
   int32_t S1;
 };
 
@@ -97,14 +100,15 @@ struct Bwd2Args {
       PREFIX##_Tensor_mLse_t lse{a.lse, {a.rows_q}};                                \
       PREFIX##_Tensor_mDO_t dout{a.dout, {a.rows_q}};                               \
       PREFIX##_Tensor_mO_t o{a.o, {a.rows_q}};                                      \
-      PREFIX##_Tensor_mCoef_t coef{a.coef, {a.n_coef}};                             \
+      PREFIX##_Tensor_mSink_t sink{x.sink, {x.n_head}};                             \
+      PREFIX##_Tensor_mDlse_t dlse{x.dlse, {a.rows_q}};                             \
       PREFIX##_Tensor_mDQ_t dq{a.dq, {a.rows_q}};                                   \
       PREFIX##_Tensor_mDKV_t dkv{a.dkv, {a.rows_dkv}};                              \
-      PREFIX##_Tensor_mDelta_t delta{a.delta, {a.rows_q}};                          \
-      return cute_dsl_##PREFIX##_wrapper(&module(), &q, &kv, &kv2, &idx, &len, &lse, \
-                                         &dout, &o, &coef, &dq, &dkv, &delta, a.B,   \
-                                         a.T, a.H, a.S, x.S1, a.K, a.t_begin,        \
-                                         a.n_tok, a.scale, s);                       \
+      PREFIX##_Tensor_mDsink_t dsink{x.dsink, {x.n_bh}};                            \
+      return cute_dsl_##PREFIX##_wrapper(&module(), &q, &kv, &kv2, &idx, &len,      \
+                                         &lse, &dout, &o, &sink, &dlse, &dq, &dkv,  \
+                                         &dsink, a.B, a.T, a.H, a.S, x.S1, a.K,     \
+                                         a.t_begin, a.n_tok, a.scale, s);           \
     }                                                                               \
   };
 JAX_DSA_BWD2_SPECS(JAX_DSA_BWD2_SPEC)
@@ -164,14 +168,13 @@ typename KernelTable<Args>::Launch FindAtomicBwd(KernelTable<Args>& table,
   return table.Find(name);
 }
 
-// Checks every buffer the two handlers share and fills the launch arguments that do not
-// depend on the mode. Returns an error message or an empty string.
-std::string CheckBwd(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer idx,
-                     ffi::AnyBuffer topk_length, ffi::AnyBuffer lse, ffi::AnyBuffer dout,
-                     ffi::AnyBuffer o, ffi::AnyBuffer coef, float scale,
-                     ffi::Result<ffi::AnyBuffer>& dq, ffi::Result<ffi::AnyBuffer>& dkv,
-                     ffi::Result<ffi::AnyBuffer>& delta, Extents* x, BwdArgs* a,
-                     int64_t extra_rows = 0) {
+// Checks the buffers every backward handler shares and fills the launch arguments that do not
+// depend on the mode (coef and delta: CheckBwd). Returns an error message or an empty string.
+std::string CheckBwdCommon(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer idx,
+                           ffi::AnyBuffer topk_length, ffi::AnyBuffer lse, ffi::AnyBuffer dout,
+                           ffi::AnyBuffer o, float scale, ffi::Result<ffi::AnyBuffer>& dq,
+                           ffi::Result<ffi::AnyBuffer>& dkv, Extents* x, BwdArgs* a,
+                           int64_t extra_rows = 0) {
   std::string problem = CheckInputs(q, kv, idx, topk_length, x);
   if (!problem.empty()) return problem;
   const int64_t B = x->B, T = x->T, H = x->H, D = x->D, S = x->S, K = x->K;
@@ -179,25 +182,19 @@ std::string CheckBwd(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer idx,
   if (lse.element_type() != ffi::DataType::F32) return "lse must be float32";
   if (dout.element_type() != dt) return "do must have the dtype of q";
   if (o.element_type() != dt) return "o must have the dtype of q";
-  if (coef.element_type() != ffi::DataType::F32) return "coef must be float32";
   if (dq->element_type() != dt) return "dq must have the dtype of q";
   if (dkv->element_type() != ffi::DataType::F32) return "dkv must be float32";
-  if (delta->element_type() != ffi::DataType::F32) return "delta must be float32";
   if (!HasDims(lse.dimensions(), {B, T, H}))
     return "lse must be [B, T, H], got " + Dims(lse.dimensions());
   if (!HasDims(dout.dimensions(), {B, T, H, kDV}))
     return "do must be [B, T, H, d_v], got " + Dims(dout.dimensions());
   if (!HasDims(o.dimensions(), {B, T, H, kDV}))
     return "o must be [B, T, H, d_v], got " + Dims(o.dimensions());
-  if (!HasDims(coef.dimensions(), {B, T, H, 2}))
-    return "coef must be [B, T, H, 2], got " + Dims(coef.dimensions());
   if (!HasDims(dq->dimensions(), {B, T, H, D}))
     return "dq must be [B, T, H, Dqk], got " + Dims(dq->dimensions());
   if (!HasDims(dkv->dimensions(), {B, S + extra_rows, D}))
     return "dkv must be [B, " + std::string(extra_rows ? "S1 + S2" : "S") + ", Dqk], got " +
            Dims(dkv->dimensions());
-  if (!HasDims(delta->dimensions(), {B, T, H}))
-    return "delta must be [B, T, H], got " + Dims(delta->dimensions());
   a->q = q.untyped_data();
   a->kv = kv.untyped_data();
   a->idx = idx.untyped_data();
@@ -205,15 +202,15 @@ std::string CheckBwd(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer idx,
   a->lse = lse.untyped_data();
   a->dout = dout.untyped_data();
   a->o = o.untyped_data();
-  a->coef = coef.untyped_data();
+  a->coef = nullptr;
   a->dq = dq->untyped_data();
   a->dkv = dkv->untyped_data();
-  a->delta = delta->untyped_data();
+  a->delta = nullptr;
   a->rows_q = B * T * H;
   a->rows_kv = B * S;
   a->n_idx = B * T * K;
   a->n_tok_all = B * T;
-  a->n_coef = B * T * H * 2;
+  a->n_coef = 0;
   a->rows_dkv = B * (S + extra_rows);
   a->B = static_cast<int32_t>(B);
   a->T = static_cast<int32_t>(T);
@@ -223,6 +220,28 @@ std::string CheckBwd(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer idx,
   a->t_begin = 0;
   a->n_tok = static_cast<int32_t>(B * T);
   a->scale = scale;
+  return std::string();
+}
+
+// CheckBwdCommon, then coef [B, T, H, 2] and delta [B, T, H] (the one-pool handlers).
+std::string CheckBwd(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer idx,
+                     ffi::AnyBuffer topk_length, ffi::AnyBuffer lse, ffi::AnyBuffer dout,
+                     ffi::AnyBuffer o, ffi::AnyBuffer coef, float scale,
+                     ffi::Result<ffi::AnyBuffer>& dq, ffi::Result<ffi::AnyBuffer>& dkv,
+                     ffi::Result<ffi::AnyBuffer>& delta, Extents* x, BwdArgs* a) {
+  std::string problem =
+      CheckBwdCommon(q, kv, idx, topk_length, lse, dout, o, scale, dq, dkv, x, a);
+  if (!problem.empty()) return problem;
+  const int64_t B = x->B, T = x->T, H = x->H;
+  if (coef.element_type() != ffi::DataType::F32) return "coef must be float32";
+  if (delta->element_type() != ffi::DataType::F32) return "delta must be float32";
+  if (!HasDims(coef.dimensions(), {B, T, H, 2}))
+    return "coef must be [B, T, H, 2], got " + Dims(coef.dimensions());
+  if (!HasDims(delta->dimensions(), {B, T, H}))
+    return "delta must be [B, T, H], got " + Dims(delta->dimensions());
+  a->coef = coef.untyped_data();
+  a->delta = delta->untyped_data();
+  a->n_coef = B * T * H * 2;
   return std::string();
 }
 
@@ -309,10 +328,10 @@ ffi::Error SparseMlaBwdGrouped(cudaStream_t stream, int32_t device, ffi::AnyBuff
 ffi::Error SparseMlaBwdTwoPool(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                                ffi::AnyBuffer kv, ffi::AnyBuffer kv2, ffi::AnyBuffer idx,
                                ffi::AnyBuffer topk_length, ffi::AnyBuffer lse,
-                               ffi::AnyBuffer dout, ffi::AnyBuffer o, ffi::AnyBuffer coef,
-                               float scale, ffi::Result<ffi::AnyBuffer> dq,
+                               ffi::AnyBuffer dout, ffi::AnyBuffer o, ffi::AnyBuffer sink,
+                               ffi::AnyBuffer dlse, float scale, ffi::Result<ffi::AnyBuffer> dq,
                                ffi::Result<ffi::AnyBuffer> dkv,
-                               ffi::Result<ffi::AnyBuffer> delta) {
+                               ffi::Result<ffi::AnyBuffer> dsink) {
   const char* op = "sparse_mla_bwd(two pools)";
   auto err = [op](const std::string& m) {
     return ffi::Error::InvalidArgument(std::string("jax_dsa ") + op + ": " + m);
@@ -328,11 +347,23 @@ ffi::Error SparseMlaBwdTwoPool(cudaStream_t stream, int32_t device, ffi::AnyBuff
   Bwd2Args y;
   BwdArgs& a = y.a;
   std::string problem =
-      CheckBwd(q, kv, idx, topk_length, lse, dout, o, coef, scale, dq, dkv, delta, &x, &a, s2);
+      CheckBwdCommon(q, kv, idx, topk_length, lse, dout, o, scale, dq, dkv, &x, &a, s2);
   if (!problem.empty()) return err(problem);
+  const int64_t B = x.B, T = x.T, H = x.H;
+  if (sink.element_type() != ffi::DataType::F32 || !HasDims(sink.dimensions(), {H}))
+    return err("sink must be float32 [H], got " + Dims(sink.dimensions()));
+  if (dlse.element_type() != ffi::DataType::F32 || !HasDims(dlse.dimensions(), {B, T, H}))
+    return err("dlse must be float32 [B, T, H], got " + Dims(dlse.dimensions()));
+  if (dsink->element_type() != ffi::DataType::F32 || !HasDims(dsink->dimensions(), {B, H}))
+    return err("dsink must be float32 [B, H], got " + Dims(dsink->dimensions()));
   a.S = static_cast<int32_t>(x.S + s2);  // rows of the list's numbering and of dkv
   y.kv2 = kv2.untyped_data();
-  y.rows_kv2 = x.B * s2;
+  y.sink = sink.untyped_data();
+  y.dlse = dlse.untyped_data();
+  y.dsink = dsink->untyped_data();
+  y.rows_kv2 = B * s2;
+  y.n_head = H;
+  y.n_bh = B * H;
   y.S1 = static_cast<int32_t>(x.S);
   const std::string name = BwdName("two_pool_", q.element_type() == ffi::DataType::BF16, x.D);
   KernelTable<Bwd2Args>::Launch launch =
@@ -343,7 +374,13 @@ ffi::Error SparseMlaBwdTwoPool(cudaStream_t stream, int32_t device, ffi::AnyBuff
   DeviceGuard guard(device);
   if (!guard.ok()) return ffi::Error::Internal(std::string("jax_dsa ") + op + ": cudaSetDevice failed");
   if (ffi::Error e = Prepare(op, stream, dkv); e.failure()) return e;
-  if (x.B == 0 || x.T == 0) return ffi::Error::Success();
+  if (dsink->size_bytes() > 0) {
+    cudaError_t me = cudaMemsetAsync(dsink->untyped_data(), 0, dsink->size_bytes(), stream);
+    if (me != cudaSuccess)
+      return ffi::Error::Internal(std::string("jax_dsa ") + op + ": zeroing dsink failed: " +
+                                  cudaGetErrorString(me));
+  }
+  if (B == 0 || T == 0) return ffi::Error::Success();
   return LaunchStatus(op, launch(y, stream));
 }
 
@@ -467,11 +504,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaSparseMlaBwdTwoPoolSm90, jax_dsa::SparseMlaB
                                   .Arg<ffi::AnyBuffer>()  // lse
                                   .Arg<ffi::AnyBuffer>()  // do
                                   .Arg<ffi::AnyBuffer>()  // o
-                                  .Arg<ffi::AnyBuffer>()  // coef
+                                  .Arg<ffi::AnyBuffer>()  // sink
+                                  .Arg<ffi::AnyBuffer>()  // dlse
                                   .Attr<float>("scale")
                                   .Ret<ffi::AnyBuffer>()  // dq
                                   .Ret<ffi::AnyBuffer>()  // dkv (both pools)
-                                  .Ret<ffi::AnyBuffer>(),  // delta
+                                  .Ret<ffi::AnyBuffer>(),  // dsink [B, H]
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaSparseMlaBwdDeterministicSm90,

@@ -71,7 +71,8 @@ print("two-pool memcheck case done")
 
 # The two-pool backward kernel, called directly: a list over both pools' rows [0, S1 + S2) with
 # entries on both sides of that range and at the boundary between the pools, partial lengths,
-# padded heads, B = 2 (pool 2's batch offset differs from pool 1's).
+# padded heads, heads with and without a sink, B = 2 (pool 2's batch offset differs from pool
+# 1's, and so does dsink's row).
 for h, d in ((100, 576), (64, 512)):
     b, t, s1, s2, k = 2, 5, 37, 23, 150
     q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16)
@@ -82,10 +83,13 @@ for h, d in ((100, 576), (64, 512)):
     lse = jnp.asarray(rng.standard_normal((b, t, h)) + 5.0, jnp.float32)
     do = jnp.asarray(rng.standard_normal((b, t, h, 512)), jnp.bfloat16)
     o = jnp.asarray(rng.standard_normal((b, t, h, 512)), jnp.bfloat16)
-    coef = jnp.ones((b, t, h, 2), jnp.float32)
-    dq, dkv, delta = cute_ffi.sparse_mla_bwd_two_pool(q, kv1, kv2, idx, tl, lse, do, o, coef,
-                                                      scale=d ** -0.5)
+    sink = jnp.asarray(np.where(np.arange(h) % 3 == 0, -np.inf, rng.standard_normal(h)),
+                       jnp.float32)
+    dlse = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+    dq, dkv, dsink = cute_ffi.sparse_mla_bwd_two_pool(q, kv1, kv2, idx, tl, lse, do, o, sink,
+                                                      dlse, scale=d ** -0.5)
     assert dkv.shape == (b, s1 + s2, d) and np.isfinite(np.asarray(dkv)).all()
+    assert dsink.shape == (b, h) and np.isfinite(np.asarray(dsink)).all()
     print(f"two-pool backward H={h} Dqk={d}: ok")
 print("two-pool backward memcheck case done")
 

@@ -268,23 +268,32 @@ def test_reference_backward_with_deterministic_is_bitwise_reproducible_on_gpu():
             np.testing.assert_array_equal(np.asarray(g), g0, err_msg=name)
 
 
-@pytest.mark.parametrize("b,h,d,s1", [(1, 128, 576, 600), (2, 64, 512, 600), (2, 100, 576, 600),
-                                      (1, 16, 512, 600), (1, 128, 512, 40000),
-                                      (1, 128, 576, 33000)],
+@pytest.mark.parametrize("b,h,d,s1,k1,sinks",
+                         [(1, 128, 576, 600, 128, "all"), (2, 64, 512, 600, 128, "all"),
+                          (2, 100, 576, 600, 128, "all"), (1, 16, 512, 600, 128, "all"),
+                          (1, 128, 512, 40000, 128, "all"), (1, 128, 576, 33000, 128, "all"),
+                          (2, 128, 512, 600, 70, "some"), (2, 100, 576, 600, 1, "none")],
                          ids=["B1H128D576", "B2H64D512", "B2H100D576", "B1H16D512",
-                              "B1H128D512S40000", "B1H128D576S33000"])
-def test_two_pools_on_the_kernels_match_the_oracle(b, h, d, s1):
+                              "B1H128D512S40000", "B1H128D576S33000", "B2H128D512K70",
+                              "B2H100D576K1"])
+def test_two_pools_on_the_kernels_match_the_oracle(b, h, d, s1, k1, sinks):
     """sparse_mla(..., extra_kv=, extra_idx=, extra_topk_length=) on the kernels: o, lse and the
     gradients of q, both pools and the sink against the float64 oracle on the concatenated
     pool (the window over a raw KV next to a top-k over a compressed KV). B1H128D576 and
     B2H100D576 run the two pools in one softmax (the two-pool backward kernel), B2H64D512
     combines one attention per pool, B1H16D512 runs grouped over the concatenation;
     B1H128D512S40000's and B1H128D576S33000's dkv outgrow the L2 (the two-pool `_long`
-    builds)."""
+    builds). B2H128D512K70 and B2H100D576K1: pool 1's list not a multiple of 64 entries, a
+    token with no valid entry in either list (a dead row), heads without a sink (-inf) beside
+    heads with one, and no sink at all."""
     _kernel_or_skip()
-    rng = np.random.default_rng(b * 1000 + h + d)
-    p1 = make_problem(rng, b, 8, h, d, s1, 128, sink=True, topk="partial")  # window
+    rng = np.random.default_rng(b * 1000 + h + d + k1)
+    p1 = make_problem(rng, b, 8, h, d, s1, k1, sink=True, topk="partial")  # window
+    if sinks == "some":
+        p1.sink[::3] = -np.inf
     p2 = make_problem(rng, b, 8, h, d, 300, 640, topk="partial")  # compressed top-k
+    p2.idx[0, 0, :] = -1  # with p1's token (0, 0), nothing to attend to: a dead row
+    sink = None if sinks == "none" else jnp.asarray(p1.sink)
     q = jnp.asarray(p1.q, jnp.bfloat16)
     kv1, kv2 = jnp.asarray(p1.kv, jnp.bfloat16), jnp.asarray(p2.kv, jnp.bfloat16)
     s1 = p1.kv.shape[1]
@@ -303,15 +312,20 @@ def test_two_pools_on_the_kernels_match_the_oracle(b, h, d, s1):
                 + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_lse)), (o, lse)
 
     (_, (o, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
-        q, kv1, kv2, jnp.asarray(p1.sink))
+        q, kv1, kv2, sink)
+    sink_np = None if sink is None else p1.sink
     o_ref, lse_ref = oracle.numpy_forward(np.asarray(q, np.float32), kv_cat, idx_cat, full,
-                                          p1.sink, p1.scale, 512)
+                                          sink_np, p1.scale, 512)
     assert rel_err(np.asarray(o, np.float32), o_ref) < 1e-2
     dead = np.isneginf(lse_ref)
+    assert dead[0, 0].all()
     np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), dead)
-    want = oracle.dense_grads(np.asarray(q, np.float32), kv_cat, idx_cat, full, p1.sink,
+    want = oracle.dense_grads(np.asarray(q, np.float32), kv_cat, idx_cat, full, sink_np,
                               p1.scale, 512, w_o, w_lse)
-    want = [want[0], want[1][:, :s1], want[1][:, s1:], want[2]]
+    want = [want[0], want[1][:, :s1], want[1][:, s1:]] + want[2:]
+    assert grads[3] is None if sink is None else grads[3].shape == (h,)
+    if sinks == "some":
+        assert np.all(np.asarray(grads[3])[::3] == 0.0)  # no sink, no gradient
     for name, g, w in zip(("dq", "dkv", "dextra_kv", "dsink"), grads, want):
         g = np.asarray(g, np.float32)
         assert np.all(np.isfinite(g)), name

@@ -263,15 +263,19 @@ def sparse_mla_bwd(q, kv, idx, topk_length, lse, do, o, coef, *, scale, group=1)
     return dq, _dkv_logical(dkv), delta
 
 
-def sparse_mla_bwd_two_pool(q, kv, kv2, idx, topk_length, lse, do, o, coef, *, scale):
-    """sparse_mla_bwd over two pools read in place: idx [B, T, K] numbers kv's rows [0, S1)
-    then kv2's from S1 on (jax_dsa._core.one_list); returns (dq, dkv [B, S1 + S2, Dqk] float32
-    for both pools in that numbering, delta)."""
-    args = _bwd_args(q, kv, idx, topk_length, lse, do, o, coef)
-    dq, dkv, delta = _call("jax_dsa_sparse_mla_bwd_two_pool_sm90",
-                           _bwd_shapes(q, kv.shape[1] + kv2.shape[1]), args[0], args[1],
-                           kv2.astype(q.dtype), *args[2:], scale=np.float32(scale))
-    return dq, _dkv_logical(dkv), delta
+def sparse_mla_bwd_two_pool(q, kv, kv2, idx, topk_length, lse, do, o, sink, dlse, *, scale):
+    """The plain backward over two pools read in place: idx [B, T, K] numbers kv's rows
+    [0, S1) then kv2's from S1 on (jax_dsa._core.one_list); returns (dq, dkv [B, S1 + S2, Dqk]
+    float32 in that numbering, dsink [B, H] float32). sink [H] float32 (-inf: none), dlse
+    [B, T, H] float32; the kernel computes c and the sink's gradient itself."""
+    b, _, h, _ = q.shape
+    shapes = _bwd_shapes(q, kv.shape[1] + kv2.shape[1])[:2] + (
+        jax.ShapeDtypeStruct((b, h), jnp.float32),)
+    dq, dkv, dsink = _call("jax_dsa_sparse_mla_bwd_two_pool_sm90", shapes, q, kv,
+                           kv2.astype(q.dtype), _i32(idx), _i32(topk_length), _f32(lse),
+                           do.astype(q.dtype), o.astype(q.dtype), _f32(sink), _f32(dlse),
+                           scale=np.float32(scale))
+    return dq, _dkv_logical(dkv), dsink
 
 
 def group_union(idx, topk_length, num_kv_rows: int, group: int):

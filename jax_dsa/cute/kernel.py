@@ -1,8 +1,9 @@
 """Forward and backward of one device's shard on the Hopper kernels, for a resolved Config.
 
 Inputs are canonical: q [B, T, H, Dqk], kv [B, S, Dqk], idx [B, T, K] int32, topk_length
-[B, T] int32, sink [H] float32 (-inf for "no sink"). The sink's terms of the backward are plain
-JAX; the kernels compute dq, the fp32 dkv and delta = rowsum(do * o).
+[B, T] int32, sink [H] float32 (-inf for "no sink"). The one-pool backward's sink terms are
+plain JAX (the kernels compute dq, the fp32 dkv and delta = rowsum(do * o)); the two-pool
+kernel computes them itself.
 """
 from __future__ import annotations
 
@@ -65,11 +66,10 @@ def _dsink(sink, sink_share, delta):
 
 def backward_two_pool(q, kv, kv2, idx, topk_length, sink, o, lse, do, dlse, *, scale):
     """The plain backward over two pools read in place (idx numbers kv's rows, then kv2's
-    from S1 on: jax_dsa._core.one_list): (dq, dkv float32 [B, S1 + S2, Dqk], dsink [B, H])."""
-    coef, sink_share = _coef(sink, lse, dlse)
-    dq, dkv, delta = ffi.sparse_mla_bwd_two_pool(q, kv, kv2, idx, topk_length, lse, do, o, coef,
-                                                 scale=scale)
-    return dq, dkv, _dsink(sink, sink_share, delta)
+    from S1 on: jax_dsa._core.one_list; the kernel computes c and dsink): (dq, dkv float32
+    [B, S1 + S2, Dqk], dsink [B, H])."""
+    return ffi.sparse_mla_bwd_two_pool(q, kv, kv2, idx, topk_length, lse, do, o, sink, dlse,
+                                       scale=scale)
 
 
 def _grouped_backward(q, kv, idx, topk_length, lse, do, o, coef, *, scale, group, union):

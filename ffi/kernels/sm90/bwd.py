@@ -14,7 +14,8 @@ order); group = 2 / 4 / 8 (the 64 rows are `group` consecutive tokens of 64 / gr
 their merged list, jax_dsa/cute/grouping.py; head row i sees an entry only if membership bit
 MEMBER_SHIFT + i // (64 / group) is set); two pools (SparseMlaBwdTwoPoolSm90, plain form: the
 list numbers kv's rows then kv2's from S1 on, dkv holds both, and only the gather's source
-address depends on the pool, _kv_source).
+address depends on the pool, _kv_source; c and the sink's gradient computed in the kernel from
+the sink and lse).
 
 Grid (n_tok tokens from t_begin x ceil(H / 64) head blocks, a token's head blocks adjacent),
 256 threads = 2 warpgroups, one CTA per SM (up to 255 registers a thread). Prologue: the loads
@@ -63,8 +64,8 @@ from jax_dsa.cute.constants import MEMBER_SHIFT as GROUP_SHIFT, PERMUTED_DKV_DIM
 
 from .common import (LOG2_E, acc_mn_view, bwd_fake_args, bwd_two_pool_fake_args, chunk16,
                      compile_options,
-                     cp_async_16_zfill, gather_source, load_block_indices, red_add_v4_f32,
-                     st_global_v4_f32)
+                     cp_async_16_zfill, gather_source, load_block_indices, red_add_f32,
+                     red_add_v4_f32, st_global_v4_f32)
 from .scatter_layout import pair_rows_exchange
 
 
@@ -262,7 +263,7 @@ class SparseMlaBwdSm90:
         kv_addr = mKV.iterator.toint()
         src = (kv_addr,)
         if cutlass.const_expr(pool2 is not None):
-            mKV2, s1 = pool2
+            mKV2, s1 = pool2[0], pool2[1]
             rb = cutlass.Int64(self.d_qk * 2)
             bb = cutlass.Int64(b)
             base1 = kv_addr - bb * cutlass.Int64(S - s1) * rb
@@ -381,7 +382,8 @@ class SparseMlaBwdSm90:
         SharedStorage: cutlass.Constexpr,
         pool2,
     ):
-        """The kernel body (pool2: None, or SparseMlaBwdTwoPoolSm90's (mKV2, S1))."""
+        """The kernel body. pool2: None, or SparseMlaBwdTwoPoolSm90's (mKV2, S1, mSink, mDlse,
+        mDsink), with mCoef and mDelta None (c and dsink come from the sink and lse here)."""
         bm, bn = self.bm, self.bn
         d_qk, d_v = self.d_qk, self.d_v
         tidx, _, _ = cute.arch.thread_idx()
@@ -438,8 +440,12 @@ class SparseMlaBwdSm90:
             if h < H:
                 rq = bt * cutlass.Int64(H) + cutlass.Int64(h)
                 pre_lse[r] = mLse[rq]
-                pre_c[r] = mCoef[rq * 2]
-                pre_dlse[r] = mCoef[rq * 2 + 1]
+                if cutlass.const_expr(pool2 is None):
+                    pre_c[r] = mCoef[rq * 2]
+                    pre_dlse[r] = mCoef[rq * 2 + 1]
+                else:  # the sink for now: c once lse is known to be finite
+                    pre_c[r] = pool2[2][h]
+                    pre_dlse[r] = pool2[3][rq]
 
         if tidx == 0:
             cute.arch.mbarrier_init(mbar + KV_FULL, 2 * self.threads)
@@ -493,7 +499,14 @@ class SparseMlaBwdSm90:
         n_io = d_v // 8 // self.io_tpr
         rO = cute.make_rmem_tensor((8, n_io), self.dtype)
         rO.fill(0)
+        # two pools: this row's sink and lse for its dsink term (-inf: none)
+        d_sink = -cutlass.Float32.inf
+        d_lse = -cutlass.Float32.inf
         if q_ok:
+            if cutlass.const_expr(pool2 is not None):
+                if csub == 0:
+                    d_sink = pool2[2][h0 + crow]
+                    d_lse = mLse[q_row]
             ld_atom = cute.make_copy_atom(
                 cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
             )
@@ -516,8 +529,18 @@ class SparseMlaBwdSm90:
             delta = delta + cute.arch.shuffle_sync_bfly(delta, offset=1 << sh)
         if csub == 0:
             sDelta[crow] = delta
-            if q_ok:
-                mDelta[q_row] = delta
+            if cutlass.const_expr(pool2 is None):
+                if q_ok:
+                    mDelta[q_row] = delta
+            else:
+                # dsink[b, h] -= (1 - c) delta, 1 - c = 1 / (1 + e^(lse - sink)) (rows with a
+                # sink and a finite lse only: none for "no sink", none on dead rows)
+                if d_sink > -cutlass.Float32.inf and d_lse > -cutlass.Float32.inf:
+                    share = 1.0 / (1.0 + cute.math.exp2((d_lse - d_sink) * LOG2_E,
+                                                        fastmath=True))
+                    red_add_f32(pool2[4].iterator + (cutlass.Int64(b) * cutlass.Int64(H)
+                                                     + cutlass.Int64(h0 + crow)),
+                                -share * delta)
         cute.arch.sync_threads()  # sDelta visible to WG0
 
         # live heads of this CTA -> dKV k-steps (K = heads)
@@ -555,6 +578,9 @@ class SparseMlaBwdSm90:
                 if pre_lse[r] > -cutlass.Float32.inf:  # padded heads kept -inf
                     lse2 = pre_lse[r] * LOG2_E
                     cc = pre_c[r]
+                    if cutlass.const_expr(pool2 is not None):  # c = 1 / (1 + e^(sink - lse))
+                        cc = 1.0 / (1.0 + cute.math.exp2((pre_c[r] - pre_lse[r]) * LOG2_E,
+                                                         fastmath=True))
                     dd = cc * sDelta[tScS[r, 0][0]] - pre_dlse[r]
                 row_lse[r] = lse2
                 row_c[r] = cc
@@ -924,7 +950,9 @@ class SparseMlaBwdTwoPoolSm90(SparseMlaBwdSm90):
     """The plain backward over two KV pools without building one: idx holds both pools' rows
     as one (pool 2's from S1 = kv's row count on, as jax_dsa._core.one_list numbers them) and
     dkv has S = S1 + S2 rows; only the gather reads row r from kv2[b, r - S1] when r >= S1
-    (_kv_source). Everything else is the one-pool kernel's."""
+    (_kv_source). Instead of coef and delta it takes the sink [H] and dlse [B*T*H], computes c
+    per row and adds each row's -(1 - c) delta to dsink [B*H] (zero-filled by the caller) with
+    one fp32 RED. Everything else is the one-pool kernel's."""
 
     def __init__(self, dtype, d_qk: int, d_v: int = 512, **tuning):
         super().__init__(dtype, d_qk, d_v, **tuning)
@@ -940,10 +968,11 @@ class SparseMlaBwdTwoPoolSm90(SparseMlaBwdSm90):
         mLse: cute.Tensor,
         mDO: cute.Tensor,
         mO: cute.Tensor,
-        mCoef: cute.Tensor,
+        mSink: cute.Tensor,
+        mDlse: cute.Tensor,
         mDQ: cute.Tensor,
         mDKV: cute.Tensor,
-        mDelta: cute.Tensor,
+        mDsink: cute.Tensor,
         B: cutlass.Int32,
         T: cutlass.Int32,
         H: cutlass.Int32,
@@ -958,8 +987,8 @@ class SparseMlaBwdTwoPoolSm90(SparseMlaBwdSm90):
         n_hb = (H + self.bm - 1) // self.bm
         consts, smem_bytes = self._setup()
         self.kernel_two_pool(
-            mQ, mKV, mKV2, mIdx, mLen, mLse, mDO, mO, mCoef, mDQ, mDKV, mDelta, T, H, S, S1, K,
-            t_begin, n_hb, scale, *consts,
+            mQ, mKV, mKV2, mIdx, mLen, mLse, mDO, mO, mSink, mDlse, mDQ, mDKV, mDsink, T, H, S,
+            S1, K, t_begin, n_hb, scale, *consts,
         ).launch(grid=[n_tok * n_hb, 1, 1], block=[self.threads, 1, 1], smem=smem_bytes,
                  min_blocks_per_mp=1, stream=stream)
 
@@ -974,10 +1003,11 @@ class SparseMlaBwdTwoPoolSm90(SparseMlaBwdSm90):
         mLse: cute.Tensor,
         mDO: cute.Tensor,
         mO: cute.Tensor,
-        mCoef: cute.Tensor,
+        mSink: cute.Tensor,
+        mDlse: cute.Tensor,
         mDQ: cute.Tensor,
         mDKV: cute.Tensor,
-        mDelta: cute.Tensor,
+        mDsink: cute.Tensor,
         T: cutlass.Int32,
         H: cutlass.Int32,
         S: cutlass.Int32,
@@ -1003,10 +1033,10 @@ class SparseMlaBwdTwoPoolSm90(SparseMlaBwdSm90):
         dkv_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
-        self._body(mQ, mKV, mIdx, mLen, mLse, mDO, mO, mCoef, mDQ, mDKV, mDelta, T, H, S, K,
+        self._body(mQ, mKV, mIdx, mLen, mLse, mDO, mO, None, mDQ, mDKV, None, T, H, S, K,
                    t_begin, n_hb, scale, swz, sQ_layout, sDO_layout, sKV_layout, sT_layout,
                    sKt_layout, sTt_layout, sO_layout, sOh_layout, sOr_layout, sdp_mma, dq0_mma,
-                   dq1_mma, dqr_mma, dkv_mma, SharedStorage, (mKV2, S1))
+                   dq1_mma, dqr_mma, dkv_mma, SharedStorage, (mKV2, S1, mSink, mDlse, mDsink))
 
 
 def compile_bwd_two_pool(dtype, d_qk: int, d_v: int = 512, **tuning):

@@ -236,6 +236,13 @@ def red_add_v4_f32(ptr, a, b, c, d, *, evict_last: bool = False, loc=None, ip=No
 
 
 @dsl_user_op
+def red_add_f32(ptr, a, *, loc=None, ip=None):
+    """red.global.add.f32 [ptr], a (ptr 4-byte aligned global memory)."""
+    _asm("red.relaxed.gpu.global.add.f32 [$0], $1;", "l,f",
+         [_ir(ptr, loc, ip)] + _f32s((a,), loc, ip), loc, ip)
+
+
+@dsl_user_op
 def st_global_v4_f32(ptr, a, b, c, d, *, loc=None, ip=None):
     """st.global.v4.f32 [ptr], {a, b, c, d} (ptr 16-byte aligned global memory)."""
     _v4_f32("st.global.v4.f32", ptr, (a, b, c, d), loc, ip)
@@ -326,12 +333,22 @@ def bwd_fake_args(dtype, d_qk: int, d_v: int):
 
 
 def bwd_two_pool_fake_args(dtype, d_qk: int, d_v: int):
-    """Two-pool backward: bwd_fake_args with kv2 (B*S2, Dqk) after kv and S1 after S (S = S1 +
-    S2: idx and dkv address the two pools as one, pool 2's rows from S1 on)."""
-    args = bwd_fake_args(dtype, d_qk, d_v)
+    """Two-pool backward: q (B*T*H, Dqk), kv (B*S1, Dqk), kv2 (B*S2, Dqk), idx (B*T*K,) over
+    both pools' rows (pool 2's from S1 on), topk_length (B*T,), lse (B*T*H,), do and o
+    (B*T*H, d_v), sink (H,), dlse (B*T*H,), dq (B*T*H, Dqk), dkv float32 (B*(S1 + S2), Dqk),
+    dsink float32 (B*H,), then B, T, H, S = S1 + S2, S1, K, t_begin, n_tok, scale and the
+    stream."""
+    rows_q, rows_kv, rows_kv2, n_idx, n_tok, n_head, rows_dkv, n_bh = (
+        cute.sym_int64() for _ in range(8))
     i32 = cutlass.Int32(1)
-    kv2 = _rows(dtype, cute.sym_int64(), d_qk)
-    return args[:2] + (kv2,) + args[2:15] + (i32,) + args[15:]
+    return (
+        _rows(dtype, rows_q, d_qk), _rows(dtype, rows_kv, d_qk), _rows(dtype, rows_kv2, d_qk),
+        _vec(cutlass.Int32, n_idx), _vec(cutlass.Int32, n_tok), _vec(cutlass.Float32, rows_q),
+        _rows(dtype, rows_q, d_v), _rows(dtype, rows_q, d_v), _vec(cutlass.Float32, n_head),
+        _vec(cutlass.Float32, rows_q), _rows(dtype, rows_q, d_qk),
+        _rows(cutlass.Float32, rows_dkv, d_qk), _vec(cutlass.Float32, n_bh),
+        i32, i32, i32, i32, i32, i32, i32, i32, cutlass.Float32(1.0), make_fake_stream(),
+    )
 
 
 def compile_options(options: str | None) -> dict:
