@@ -220,9 +220,11 @@ def sparse_mla_fwd_two_pool(q, kv, idx, topk_length, kv2, idx2, topk_length2, si
                  _f32(sink), scale=np.float32(scale), poison=np.int32(bool(poison_outputs)))
 
 
-def _bwd_args(q, kv, idx, topk_length, lse, do, o, coef):
+def _bwd_args(q, kv, idx, topk_length, lse, do, o, *f32_args):
+    """The backward handlers' leading arguments in their dtypes, then f32_args as float32
+    (coef; or sink and dlse for the two-pool handler)."""
     return (q, kv, _i32(idx), _i32(topk_length), _f32(lse), do.astype(q.dtype),
-            o.astype(q.dtype), _f32(coef))
+            o.astype(q.dtype)) + tuple(_f32(a) for a in f32_args)
 
 
 def _bwd_shapes(q, kv_rows: int):
@@ -271,10 +273,9 @@ def sparse_mla_bwd_two_pool(q, kv, kv2, idx, topk_length, lse, do, o, sink, dlse
     b, _, h, _ = q.shape
     shapes = _bwd_shapes(q, kv.shape[1] + kv2.shape[1])[:2] + (
         jax.ShapeDtypeStruct((b, h), jnp.float32),)
-    dq, dkv, dsink = _call("jax_dsa_sparse_mla_bwd_two_pool_sm90", shapes, q, kv,
-                           kv2.astype(q.dtype), _i32(idx), _i32(topk_length), _f32(lse),
-                           do.astype(q.dtype), o.astype(q.dtype), _f32(sink), _f32(dlse),
-                           scale=np.float32(scale))
+    args = _bwd_args(q, kv, idx, topk_length, lse, do, o, sink, dlse)
+    dq, dkv, dsink = _call("jax_dsa_sparse_mla_bwd_two_pool_sm90", shapes, args[0], args[1],
+                           kv2.astype(q.dtype), *args[2:], scale=np.float32(scale))
     return dq, _dkv_logical(dkv), dsink
 
 
