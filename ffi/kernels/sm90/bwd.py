@@ -20,7 +20,9 @@ the sink and lse).
 Grid (n_tok tokens from t_begin x ceil(H / 64) head blocks, a token's head blocks adjacent),
 256 threads = 2 warpgroups, one CTA per SM (up to 255 registers a thread). Prologue: the loads
 nothing waits for first (block 0's indices, WG0's lse / coef), Q and dO to shared memory, block 0
-gathered, delta per row. Per 64-row KV block n:
+gathered; kv_full's first phase completes when all of it has landed. WG1 then computes delta =
+rowsum(dO O) per row (O from global) while WG0 runs block 0's S and dP, and WG0 waits for it
+(named barrier DELTA_BAR) only before its first dS. Per 64-row KV block n:
   * WG0: S = Q K^T and dP = dO V^T (wgmma 64x64x16), dS; the 16-bit P and dS tiles to shared
     memory (arrives ds_full); dQ[:, :256] += dS K with dS as the register A operand; refills
     columns [0, 256) with block n + 1; dKV chunks [0, wg0_chunks) (none at Dqk 512, 4 at 576).
@@ -36,6 +38,11 @@ gathered, delta per row. Per 64-row KV block n:
   that the Python wrapper undoes (scatter_layout.py), so that each red.global.add.v4.f32
   (deterministic: st.global.v4.f32) of a warp covers 4 rows x 128 contiguous bytes. At Dqk 512
   the chunks form one rolling pipeline, chunk c + 1's MMA running under chunk c's scatter.
+  The REDs are predicated on the entry's validity rather than branched around: ptxas then
+  makes the `_long` builds' evict-last policy once and puts a row's two REDs under one branch
+  (a policy and a branch per RED were ~9 instructions each).
+Epilogue: each warpgroup stages its dQ columns in the KV columns it last read and stores them
+behind a barrier of its own 128 threads, so WG0's store runs under WG1's last dKV chunks.
 Shared memory: Q 72 KB + dO 64 KB + one KV stage 72 KB + P and dS 16 KB + row slots = 224.5 KB
 at Dqk 576, 208.5 KB at 512. No spills, no local memory and no serialized wgmma
 (dev/check_kernel_build.py fails otherwise); no ACCUMULATE flag depends on a runtime condition.
@@ -73,6 +80,11 @@ from .scatter_layout import pair_rows_exchange
 KV_FULL = 0
 DS_FULL = 1
 DS_EMPTY = 2
+# named barrier: WG1 arrives once sDelta is written, WG0 syncs before its first dS
+DELTA_BAR = 1
+# named barriers of one warpgroup each: its dQ half staged before the group stores it
+EPI0_BAR = 2
+EPI1_BAR = 3
 
 
 class SparseMlaBwdSm90:
@@ -102,7 +114,7 @@ class SparseMlaBwdSm90:
         self.c0_chunks = self.split_col // 8  # 32
         self.c1_chunks = self.chunks - self.c0_chunks  # 40 or 32
         assert self.c0_chunks % self.g_tpr == 0 and self.c1_chunks % self.g_tpr == 0
-        self.io_tpr = self.threads // self.bm  # 4 threads per row for Q / dO / dQ copies
+        self.io_tpr = self.threads // self.bm  # 4 threads per row for the Q / dO copies
         self.n_ch = d_qk // 64  # dKV 64-column chunks (9 or 8)
         self.skip_heads = True  # issue only ceil(live heads / 16) dKV k-steps
         # dKV chunks [0, wg0_chunks) are computed by WG0 (after its dQ half and its gather), the
@@ -404,6 +416,7 @@ class SparseMlaBwdSm90:
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         q_base = storage.sQ.data_ptr()
+        kv_base = storage.sKV.data_ptr()
         q_sw = cute.recast_ptr(q_base, swizzle_=swz)
         do_sw = cute.recast_ptr(storage.sDO.data_ptr(), swizzle_=swz)
         kv_sw = cute.recast_ptr(storage.sKV.data_ptr(), swizzle_=swz)
@@ -490,58 +503,11 @@ class SparseMlaBwdSm90:
             else:
                 self._gather(kv_src, g_dbase, idx_r, S, kv_batch, grow, gsub,
                              self.c0_chunks, self.c1_chunks, sRow, 0, False)
-            cute.arch.cp_async_mbarrier_arrive_noinc(mbar + KV_FULL)
-            cute.arch.mbarrier_arrive(mbar + KV_FULL)
-        # The forward's O row, same columns as this thread's dO chunks, into registers (for
-        # delta = rowsum(dO * O)), overlapping the copies above. Issued after the gather: a wait
-        # for the index loads also waits for every load issued before them (scoreboards release
-        # in order), which would put o's DRAM latency on the first gather (docs/kernel_log.md).
-        n_io = d_v // 8 // self.io_tpr
-        rO = cute.make_rmem_tensor((8, n_io), self.dtype)
-        rO.fill(0)
-        # two pools: this row's sink and lse for its dsink term (-inf: none)
-        d_sink = -cutlass.Float32.inf
-        d_lse = -cutlass.Float32.inf
-        if q_ok:
-            if cutlass.const_expr(pool2 is not None):
-                if csub == 0:
-                    d_sink = pool2[2][h0 + crow]
-                    d_lse = mLse[q_row]
-            ld_atom = cute.make_copy_atom(
-                cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
-            )
-            for i in cutlass.range_constexpr(n_io):
-                cute.copy(ld_atom, chunk16(mO, q_row, csub + self.io_tpr * i), rO[None, i])
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_threads()  # Q / dO visible to both groups (and to wgmma)
-
-        # ---- delta = rowsum(dO * O) in fp32: 4 threads per head row, then a quad reduction;
-        # written to global for the sink gradient (live heads only) and to smem for WG0.
-        prod = cute.make_rmem_tensor(8, cutlass.Float32)
-        prod.fill(0.0)
-        for i in cutlass.range_constexpr(n_io):
-            d8 = chunk16(sDO, crow, csub + self.io_tpr * i).load().to(cutlass.Float32)
-            prod.store(prod.load() + d8 * rO[None, i].load().to(cutlass.Float32))
-        delta = prod.load().reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
-        for sh in cutlass.range_constexpr(2):  # the row's 4 threads are lanes 4k .. 4k + 3
-            delta = delta + cute.arch.shuffle_sync_bfly(delta, offset=1 << sh)
-        if csub == 0:
-            sDelta[crow] = delta
-            if cutlass.const_expr(pool2 is None):
-                if q_ok:
-                    mDelta[q_row] = delta
-            else:
-                # dsink[b, h] -= (1 - c) delta, 1 - c = 1 / (1 + e^(lse - sink)) (rows with a
-                # sink and a finite lse only: none for "no sink", none on dead rows)
-                if d_sink > -cutlass.Float32.inf and d_lse > -cutlass.Float32.inf:
-                    share = 1.0 / (1.0 + cute.math.exp2((d_lse - d_sink) * LOG2_E,
-                                                        fastmath=True))
-                    red_add_f32(pool2[4].iterator + (cutlass.Int64(b) * cutlass.Int64(H)
-                                                     + cutlass.Int64(h0 + crow)),
-                                -share * delta)
-        cute.arch.sync_threads()  # sDelta visible to WG0
+        # kv_full's phase 0 completes once every thread's Q / dO copies (and block 0's gather)
+        # have landed, also with no block: WG1 waits on it before delta reads dO, WG0 before
+        # its first S / dP.
+        cute.arch.cp_async_mbarrier_arrive_noinc(mbar + KV_FULL)
+        cute.arch.mbarrier_arrive(mbar + KV_FULL)
 
         # live heads of this CTA -> dKV k-steps (K = heads)
         hl = cutlass.min(H - h0, bm)
@@ -562,7 +528,7 @@ class SparseMlaBwdSm90:
             acc_shape = thr_sdp.partition_shape_C((bm, bn))
             n_cols = cute.size(tScS, mode=[1])
             # per-row constants: lse*log2e (+inf: p~ = 0 for dead / padded rows), c,
-            # D' = c * delta - dlse
+            # D' = c * delta - dlse (-dlse here; c * delta added once WG1 has delta, block 0)
             row_lse = cute.make_rmem_tensor(n_rows, cutlass.Float32)
             row_c = cute.make_rmem_tensor(n_rows, cutlass.Float32)
             row_d = cute.make_rmem_tensor(n_rows, cutlass.Float32)
@@ -581,7 +547,7 @@ class SparseMlaBwdSm90:
                     if cutlass.const_expr(pool2 is not None):  # c = 1 / (1 + e^(sink - lse))
                         cc = 1.0 / (1.0 + cute.math.exp2((pre_c[r] - pre_lse[r]) * LOG2_E,
                                                          fastmath=True))
-                    dd = cc * sDelta[tScS[r, 0][0]] - pre_dlse[r]
+                    dd = -pre_dlse[r]
                 row_lse[r] = lse2
                 row_c[r] = cc
                 row_d[r] = dd
@@ -616,6 +582,11 @@ class SparseMlaBwdSm90:
                               acc_dP)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
+                if blk == 0:  # D' += c delta (bf16: times scale), delta from WG1
+                    cute.arch.barrier(barrier_id=DELTA_BAR, number_of_threads=self.threads)
+                    for r in cutlass.range_constexpr(n_rows):
+                        if row_lse[r] < cutlass.Float32.inf:
+                            row_d[r] = row_d[r] + row_c[r] * sDelta[tScS[r, 0][0]]
 
                 S_mn = acc_mn_view(acc_S)
                 dP_mn = acc_mn_view(acc_dP)
@@ -669,8 +640,10 @@ class SparseMlaBwdSm90:
                                     slot, blk, bt32, t_begin, K, kv_batch, hb, n_hb, kh, scale,
                                     mDKV, 0, self.wg0_chunks)
 
-            # dQ staging (after the final CTA barrier below)
-            cute.arch.sync_threads()
+            if n_blocks == 0:  # (WG1 arrives on it in every CTA)
+                cute.arch.barrier(barrier_id=DELTA_BAR, number_of_threads=self.threads)
+            # dQ[:, 0:256) staged in KV columns [0, 256) (their last reader was this group's
+            # last dQ MMA) and stored by this group alone, under WG1's last dKV chunks
             if cutlass.const_expr(not self.fold_scale):
                 acc_dQ.store(acc_dQ.load() * scale)
             r2s_o0 = cute.make_tiled_copy_C(
@@ -678,34 +651,102 @@ class SparseMlaBwdSm90:
             ).get_slice(gtid)
             rdQ0 = cute.make_fragment_like(acc_dQ, self.dtype)
             rdQ0.store(acc_dQ.load().to(self.dtype))
-            sdQ0 = cute.make_tensor(q_base, sOh_layout)
+            sdQ0 = cute.make_tensor(kv_base, sOh_layout)
             cute.copy(r2s_o0, r2s_o0.retile(rdQ0), r2s_o0.partition_D(sdQ0))
+            self._store_dq(kv_base, sO_layout, mDQ, gtid, bt, h0, H, 0, self.c0_chunks,
+                           EPI0_BAR)
         else:
             # ===================================== WG1 =====================================
+            self._delta(gtid, mO, mLse, mDelta, sDO, sDelta, mbar, pool2, bt, b, h0, H)
             self._wg1(dq1_mma, dqr_mma, dkv_mma, gtid, sDS, kv_sw, sKt_layout, sTt_layout,
                       n_blocks, mIdx, idx_r, k_eff, idx_base, grow, mbar, kv_src, g_dbase, S,
                       kv_batch, gsub, sRow, ds_sw, p_sw, q_sw, do_sw, bt32, t_begin, K, hb,
-                      n_hb, kh, scale, mDKV, q_base, sOh_layout, sOr_layout)
+                      n_hb, kh, scale, mDKV, kv_base, sOh_layout, sOr_layout)
+            self._store_dq(kv_base, sO_layout, mDQ, gtid, bt, h0, H, self.c0_chunks,
+                           self.c1_chunks, EPI1_BAR)
 
-        # ---- epilogue: dQ rows (live heads only) -------------------------------------------
-        cute.arch.sync_threads()
-        sO = cute.make_tensor(q_base, sO_layout)
+    @cute.jit
+    def _store_dq(self, o_base, sO_layout: cute.ComposedLayout, mDQ: cute.Tensor,
+                  gtid: cutlass.Int32, bt: cutlass.Int64, h0: cutlass.Int32, H: cutlass.Int32,
+                  c_lo: cutlass.Constexpr, n_chunks: cutlass.Constexpr, bar_id: cutlass.Constexpr):
+        """One warpgroup's dQ columns [8 c_lo, 8 (c_lo + n_chunks)), staged by it at o_base
+        (sO_layout), to global after a barrier of its own 128 threads: 8 threads per row, so a
+        warp's 16-byte stores cover 128 contiguous bytes of 4 rows; live heads only."""
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=128)
+        sO = cute.make_tensor(o_base, sO_layout)
         st_atom = cute.make_copy_atom(
             cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
         )
-        if q_ok:
-            for i in cutlass.range_constexpr(self.chunks // self.io_tpr):
-                c = csub + self.io_tpr * i
-                cute.copy(st_atom, chunk16(sO, crow, c), chunk16(mDQ, q_row, c))
+        for p in cutlass.range_constexpr(self.bm // 16):
+            row = gtid // 8 + 16 * p
+            if h0 + row < H:
+                q_row = bt * cutlass.Int64(H) + cutlass.Int64(h0 + row)
+                for i in cutlass.range_constexpr(n_chunks // 8):
+                    c = c_lo + gtid % 8 + 8 * i
+                    cute.copy(st_atom, chunk16(sO, row, c), chunk16(mDQ, q_row, c))
+
+    @cute.jit
+    def _delta(self, gtid: cutlass.Int32, mO: cute.Tensor, mLse: cute.Tensor, mDelta,
+               sDO: cute.Tensor, sDelta: cute.Tensor, mbar, pool2, bt: cutlass.Int64,
+               b: cutlass.Int32, h0: cutlass.Int32, H: cutlass.Int32):
+        """WG1, before its block loop (while WG0 computes block 0's S and dP): delta =
+        rowsum(dO O) in fp32, two threads per head row, each over every other 16-byte chunk,
+        O from global (issued before the wait for the copies) and dO from shared memory;
+        written to sDelta for WG0 (then arrives on DELTA_BAR), and to mDelta for the sink
+        gradient (one pool, live heads), or as each row's -(1 - c) delta RED into dsink (two
+        pools)."""
+        row = gtid // 2
+        half = gtid % 2
+        h = h0 + row
+        q_row = bt * cutlass.Int64(H) + cutlass.Int64(h)
+        n_ld = self.d_v // 8 // 2
+        rO = cute.make_rmem_tensor((8, n_ld), self.dtype)
+        rO.fill(0)
+        # two pools: this row's sink and lse for its dsink term (-inf: none)
+        d_sink = -cutlass.Float32.inf
+        d_lse = -cutlass.Float32.inf
+        if h < H:
+            if cutlass.const_expr(pool2 is not None):
+                if half == 0:
+                    d_sink = pool2[2][h]
+                    d_lse = mLse[q_row]
+            ld_atom = cute.make_copy_atom(
+                cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
+            )
+            for i in cutlass.range_constexpr(n_ld):
+                cute.copy(ld_atom, chunk16(mO, q_row, 2 * i + half), rO[None, i])
+        cute.arch.mbarrier_wait(mbar + KV_FULL, 0)  # every thread's dO copies have landed
+        prod = cute.make_rmem_tensor(8, cutlass.Float32)
+        prod.fill(0.0)
+        for i in cutlass.range_constexpr(n_ld):
+            d8 = chunk16(sDO, row, 2 * i + half).load().to(cutlass.Float32)
+            prod.store(prod.load() + d8 * rO[None, i].load().to(cutlass.Float32))
+        delta = prod.load().reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
+        delta = delta + cute.arch.shuffle_sync_bfly(delta, offset=1)  # the row's two lanes
+        if half == 0:
+            sDelta[row] = delta
+            if cutlass.const_expr(pool2 is None):
+                if h < H:
+                    mDelta[q_row] = delta
+            else:
+                # dsink[b, h] -= (1 - c) delta, 1 - c = 1 / (1 + e^(lse - sink)) (rows with a
+                # sink and a finite lse only: none for "no sink", none on dead rows)
+                if d_sink > -cutlass.Float32.inf and d_lse > -cutlass.Float32.inf:
+                    share = 1.0 / (1.0 + cute.math.exp2((d_lse - d_sink) * LOG2_E,
+                                                        fastmath=True))
+                    red_add_f32(pool2[4].iterator + (cutlass.Int64(b) * cutlass.Int64(H)
+                                                     + cutlass.Int64(h)),
+                                -share * delta)
+        cute.arch.barrier_arrive(barrier_id=DELTA_BAR, number_of_threads=self.threads)
 
     @cute.jit
     def _wg1(self, dq1_mma, dqr_mma, dkv_mma, gtid, sDS, kv_sw, sKt_layout, sTt_layout,
              n_blocks, mIdx, idx_r, k_eff, idx_base, grow, mbar, kv_src, g_dbase, S, kv_batch,
              gsub, sRow, ds_sw, p_sw, q_sw, do_sw, bt32, t_begin, K, hb, n_hb, kh, scale, mDKV,
-             q_base, sOh_layout, sOr_layout):
+             o_base, sOh_layout, sOr_layout):
         """WG1's block loop: per block the dQ half on KV columns [256, Dqk), the refill of those
         columns with the next block, this block's dKV chunks [wg0_chunks, n_ch); then its dQ
-        half staged in shared memory for the epilogue."""
+        half staged in KV columns [256, Dqk) (their last reader was its last dQ MMA)."""
         bm, bn, d_v = self.bm, self.bn, self.d_v
         thr_dq = dq1_mma.get_slice(gtid)
         thr_dqr = dqr_mma.get_slice(gtid)
@@ -760,7 +801,6 @@ class SparseMlaBwdSm90:
                             blk, bt32, t_begin, K, kv_batch, hb, n_hb, kh, scale, mDKV,
                             self.wg0_chunks, self.n_ch, release=mbar + DS_EMPTY)
 
-        cute.arch.sync_threads()
         if cutlass.const_expr(not self.fold_scale):
             acc_dQ.store(acc_dQ.load() * scale)
         r2s_o = cute.make_tiled_copy_C(
@@ -768,7 +808,7 @@ class SparseMlaBwdSm90:
         ).get_slice(gtid)
         rdQ = cute.make_fragment_like(acc_dQ, self.dtype)
         rdQ.store(acc_dQ.load().to(self.dtype))
-        sdQ1 = cute.make_tensor(q_base + cute.assume(bm * self.split_col, divby=512),
+        sdQ1 = cute.make_tensor(o_base + cute.assume(bm * self.split_col, divby=512),
                                 sOh_layout)
         cute.copy(r2s_o, r2s_o.retile(rdQ), r2s_o.partition_D(sdQ1))
         if cutlass.const_expr(self.rope > 0):
@@ -779,7 +819,7 @@ class SparseMlaBwdSm90:
             ).get_slice(gtid)
             rdQr = cute.make_fragment_like(acc_dQr, self.dtype)
             rdQr.store(acc_dQr.load().to(self.dtype))
-            sdQr = cute.make_tensor(q_base + cute.assume(bm * d_v, divby=512), sOr_layout)
+            sdQr = cute.make_tensor(o_base + cute.assume(bm * d_v, divby=512), sOr_layout)
             cute.copy(r2s_r, r2s_r.retile(rdQr), r2s_r.partition_D(sdQr))
 
     @cute.jit
@@ -937,12 +977,13 @@ class SparseMlaBwdSm90:
                 for g2 in cutlass.range_constexpr(2):
                     v0, v1, v2, v3 = out[(rho, second, g2)]
                     off = g_bases[2 * rho + second] + cutlass.Int64(col0 + 32 * g2)
-                    if rows[2 * rho + second] >= 0:
-                        if cutlass.const_expr(self.deterministic):
+                    if cutlass.const_expr(self.deterministic):
+                        if rows[2 * rho + second] >= 0:
                             st_global_v4_f32(mDKV.iterator + off, v0, v1, v2, v3)
-                        else:
-                            red_add_v4_f32(mDKV.iterator + off, v0, v1, v2, v3,
-                                           evict_last=self.red_evict_last)
+                    else:  # predicated, not branched (see the module docstring)
+                        red_add_v4_f32(mDKV.iterator + off, v0, v1, v2, v3,
+                                       evict_last=self.red_evict_last,
+                                       pred=cutlass.Int32(rows[2 * rho + second] >= 0))
 
 
 # -------------------------------------------------------------------- AOT compile entry
