@@ -38,9 +38,9 @@ rowsum(dO O) per row (O from global) while WG0 runs block 0's S and dP, and WG0 
   that the Python wrapper undoes (scatter_layout.py), so that each red.global.add.v4.f32
   (deterministic: st.global.v4.f32) of a warp covers 4 rows x 128 contiguous bytes. At Dqk 512
   the chunks form one rolling pipeline, chunk c + 1's MMA running under chunk c's scatter.
-  The REDs are predicated on the entry's validity rather than branched around: ptxas then
-  makes the `_long` builds' evict-last policy once and puts a row's two REDs under one branch
-  (a policy and a branch per RED were ~9 instructions each).
+  At Dqk 512 the REDs are predicated on the entry's validity rather than branched around:
+  ptxas then makes the `_long` builds' evict-last policy once and puts a row's two REDs under
+  one branch (a policy and a branch per RED were ~9 instructions each).
 Epilogue: each warpgroup stages its dQ columns in the KV columns it last read and stores them
 behind a barrier of its own 128 threads, so WG0's store runs under WG1's last dKV chunks.
 Shared memory: Q 72 KB + dO 64 KB + one KV stage 72 KB + P and dS 16 KB + row slots = 224.5 KB
@@ -980,10 +980,16 @@ class SparseMlaBwdSm90:
                     if cutlass.const_expr(self.deterministic):
                         if rows[2 * rho + second] >= 0:
                             st_global_v4_f32(mDKV.iterator + off, v0, v1, v2, v3)
-                    else:  # predicated, not branched (see the module docstring)
+                    elif cutlass.const_expr(self.rolling):
+                        # predicated, not branched (the module docstring; at Dqk 576 the
+                        # predicated form spills in the two-pool exports and serializes the
+                        # grouped `_long` ones' wgmma)
                         red_add_v4_f32(mDKV.iterator + off, v0, v1, v2, v3,
                                        evict_last=self.red_evict_last,
                                        pred=cutlass.Int32(rows[2 * rho + second] >= 0))
+                    elif rows[2 * rho + second] >= 0:
+                        red_add_v4_f32(mDKV.iterator + off, v0, v1, v2, v3,
+                                       evict_last=self.red_evict_last)
 
 
 # -------------------------------------------------------------------- AOT compile entry
