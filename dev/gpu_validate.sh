@@ -4,7 +4,7 @@
 #   bash dev/gpu_validate.sh [tests-fwd] [tests-bwd] [tests-rest] [memcheck] [bench]
 #                            [bench-indexer] [bench-decode] [bench-layer] [train-compare]
 #                            [wgmma-ceiling] [bench-pools]
-#                            [profile] [hotlines]
+#                            [profile] [hotlines] [hotlines-layer]
 #                                                                         (default: all tests)
 #
 # Each step has its own time limit (the backward tests take ~6 minutes: run them in their own
@@ -95,6 +95,14 @@ for step in "${steps[@]}"; do
           > "$out/src_$1_h$2_k$3.csv" 2>/dev/null || rc=$?
         python3 dev/ncu_hot_lines.py "$out/src_$1_h$2_k$3.csv" 20 | cut -c1-160
       done ;;
+    hotlines-layer)  # the same for the DSA layer's attention backward kernel (V4-Flash)
+      rc=0
+      timeout 200 ncu --clock-control none --profile-from-start off --kernel-name regex:SparseMlaBwd \
+        --section SourceCounters --section WarpStateStats -o "$out/src_layer_bwd" -f \
+        python3 dev/profile_layer.py V4-Flash attn_bwd > "$out/src_layer_bwd.log" 2>&1 || rc=$?
+      ncu --import "$out/src_layer_bwd.ncu-rep" --page source --csv --print-source sass \
+        > "$out/src_layer_bwd.csv" 2>/dev/null || rc=$?
+      python3 dev/ncu_hot_lines.py "$out/src_layer_bwd.csv" 30 | cut -c1-160 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
   echo "[$step] rc=$rc in $(( $(date +%s) - start )) s"
