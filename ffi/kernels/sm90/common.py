@@ -223,19 +223,22 @@ def red_add_v4_f32(ptr, a, b, c, d, *, evict_last: bool = False, pred=None, loc=
     """red.global.add.v4.f32 [ptr], {a, b, c, d} (sm_90; ptr 16-byte aligned global memory);
     evict_last: with an L2 evict-last policy; pred (an Int32, or None: always): the RED only
     where pred != 0, as one predicated instruction (no branch around it)."""
-    body = "red.relaxed.gpu.global.add.v4.f32 [$0], {$1, $2, $3, $4};"
-    if evict_last:
-        body = ("createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-                "red.relaxed.gpu.global.add.L2::cache_hint.v4.f32 [$0], {$1, $2, $3, $4}, pol;")
-    regs = " .reg .b64 pol;" if evict_last else ""
+    regs, setup, guard, hint, policy = "", "", "", "", ""
     operands = [_ir(ptr, loc, ip)] + _f32s((a, b, c, d), loc, ip)
     constraints = "l,f,f,f,f"
+    if evict_last:
+        regs += " .reg .b64 pol;"
+        hint, policy = ".L2::cache_hint", ", pol"
     if pred is not None:
         regs += " .reg .pred p;"
-        body = "setp.ne.b32 p, $5, 0; " + body.replace("red.", "@p red.", 1)
+        setup += " setp.ne.b32 p, $5, 0;"
+        guard = "@p "
         operands.append(cutlass.Int32(pred).ir_value(loc=loc, ip=ip))
         constraints += ",r"
-    _asm("{" + regs + " " + body + " }", constraints, operands, loc, ip)
+    if evict_last:
+        setup += " createpolicy.fractional.L2::evict_last.b64 pol, 1.0;"
+    _asm(f"{{{regs}{setup} {guard}red.relaxed.gpu.global.add{hint}.v4.f32 "
+         f"[$0], {{$1, $2, $3, $4}}{policy}; }}", constraints, operands, loc, ip)
 
 
 @dsl_user_op
