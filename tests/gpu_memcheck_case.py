@@ -109,7 +109,7 @@ for h, d, det, t in ((100, 576, False, 5), (100, 512, False, 5), (17, 512, False
     print(f"backward H={h} Dqk={d} deterministic={det}: ok")
 # dkv past LONG_DKV_MIN_BYTES: the long-context builds (plain and grouped), rows on both sides
 # of [0, S)
-for h, t, d in ((64, 5, 512), (16, 8, 512), (128, 3, 576), (16, 8, 576)):
+for h, t, d in ((64, 5, 512), (100, 3, 512), (16, 8, 512), (128, 3, 576), (16, 8, 576)):
     s = 33000
     q = jnp.asarray(rng.standard_normal((1, t, h, d)), jnp.bfloat16)
     kv = jnp.asarray(rng.standard_normal((1, s, d)), jnp.bfloat16)

@@ -28,6 +28,7 @@ CASES = [
     # dkv >= LONG_DKV_MIN_BYTES: the long-context (`_long`) builds
     (1, 8, 64, 512, 40000, 640, True, "partial"),
     (2, 4, 128, 512, 20000, 1152, False, "full"),
+    (1, 4, 100, 512, 40000, 640, True, "partial"),  # a partial head block in the `_long` build
     (1, 8, 128, 576, 33000, 2048, True, "partial"),
     (2, 4, 24, 576, 16000, 640, False, "none"),
     # more (token, head block) items than the H200's 132 SMs: several items per CTA of a
