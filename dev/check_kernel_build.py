@@ -64,6 +64,27 @@ def sass_facts(sass):
     return ops, wide
 
 
+def ldgsts_unset_uniforms(sass):
+    """LDGSTS instructions whose shared base [R+URn] or descriptor desc[URm] names a uniform
+    register that no instruction of the kernel writes. The ptxas of nvidia-cutlass-dsl 4.8
+    emits such an LDGSTS for a cache-hinted cp.async whose shared address it splits into a
+    register and a uniform base (an illegal instruction at run time; common.cp_async_16_policy)."""
+    written = set()
+    for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)\s+UR(\d+)",
+                         sass):
+        n = int(m.group(2))
+        written.update((n, n + 1) if ".64" in m.group(1) else (n,))
+    bad = []
+    for line in sass.splitlines():
+        if "LDGSTS" not in line or "ARRIVES" in line:
+            continue
+        regs = [int(r) for r in re.findall(r"\+UR(\d+)", line)]
+        regs += [int(r) for r in re.findall(r"desc\[UR(\d+)\]", line)]
+        if any(r not in written for r in regs):
+            bad.append(line.strip())
+    return bad
+
+
 def jobs(ops):
     """(op, export prefix, compile thunk, deterministic) of every export of the requested ops
     (default: all), from ffi/build.py's table."""
@@ -155,6 +176,10 @@ def main():
         scalar_red = sum(n for k, n in wide.items() if k.startswith("RED") and k.endswith(".F32"))
         if scalar_red > (1 if op == "bwd2" else 0):
             problems.append(f"{prefix}: scalar fp32 RED")
+        unset = ldgsts_unset_uniforms(sass)
+        if unset:
+            problems.append(f"{prefix}: {len(unset)} LDGSTS read uniform registers nothing "
+                            f"sets (misencoded cache-hinted cp.async), e.g. {unset[0]}")
         if det and any(k.startswith("RED") for k in wide):
             problems.append(f"{prefix}: RED in a deterministic kernel")
 

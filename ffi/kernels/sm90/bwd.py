@@ -41,6 +41,10 @@ rowsum(dO O) per row (O from global) while WG0 runs block 0's S and dP, and WG0 
   At Dqk 512 the REDs are predicated on the entry's validity rather than branched around:
   ptxas then makes the `_long` builds' evict-last policy once and puts a row's two REDs under
   one branch (a policy and a branch per RED were ~9 instructions each).
+L2 policies (ffi/build.py LONG_BWD_TUNING, the `_long` builds the handler runs once the fp32 dkv
+outgrows the L2): at Dqk 512 the dKV REDs are evict-last, and Q, dO and O (read once) and dQ
+(written once) evict-first, so that these streams do not push out the kv and dkv lines that
+later blocks and CTAs reuse.
 Epilogue: each warpgroup stages its dQ columns in the KV columns it last read and stores them
 behind a barrier of its own 128 threads, so WG0's store runs under WG1's last dKV chunks.
 Shared memory: Q 72 KB + dO 64 KB + one KV stage 72 KB + P and dS 16 KB + row slots = 224.5 KB
@@ -70,9 +74,10 @@ import cuda.bindings.driver as cuda
 from jax_dsa.cute.constants import MEMBER_SHIFT as GROUP_SHIFT, PERMUTED_DKV_DIMS
 
 from .common import (LOG2_E, acc_mn_view, bwd_fake_args, bwd_two_pool_fake_args, chunk16,
-                     compile_options,
-                     cp_async_16_zfill, gather_source, load_block_indices, red_add_f32,
-                     red_add_v4_f32, st_global_v4_f32)
+                     compile_options, cp_async_16_policy, cp_async_16_zfill, gather_source,
+                     l2_evict_first_policy, lane_opaque, ld_global_v4_b32_policy,
+                     load_block_indices, red_add_f32, red_add_v4_f32, st_global_v4_b32_policy,
+                     st_global_v4_f32)
 from .scatter_layout import pair_rows_exchange
 
 
@@ -90,7 +95,7 @@ EPI1_BAR = 3
 class SparseMlaBwdSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
                  group: int = 1, red_evict_last: bool = False, wg0_chunks: int | None = None,
-                 early_release: bool = True):
+                 early_release: bool = True, stream_evict_first: bool = False):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -102,6 +107,10 @@ class SparseMlaBwdSm90:
         # handler runs when the fp32 dkv accumulator outgrows the L2: the lines of the rows in
         # flight then stay; docs/kernel_log.md, eleventh session).
         self.red_evict_last = red_evict_last
+        # Q, dO, O (read once) and dQ (written once) under an L2 evict-first policy, so that
+        # they do not push out the kv rows and dkv lines that later blocks and CTAs reuse (the
+        # `_long` builds at Dqk 512; docs/kernel_log.md, twenty-second session)
+        self.stream_evict_first = stream_evict_first
         self.fold_scale = dtype is cutlass.BFloat16
         self.bm = 64  # heads per CTA
         self.bn = 64  # gathered KV rows per block
@@ -466,23 +475,29 @@ class SparseMlaBwdSm90:
             cute.arch.mbarrier_init(mbar + DS_EMPTY, 128)
         cute.arch.mbarrier_init_fence()
 
-        cp_atom = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-            self.dtype,
-            num_bits_per_copy=128,
-        )
         # ---- Q and dO (padded heads zero-filled, never read) -------------------------------
         crow = tidx // self.io_tpr
         csub = tidx % self.io_tpr
         q_ok = h0 + crow < H
         q_row = bt * cutlass.Int64(H) + cutlass.Int64(h0 + crow)
+        if cutlass.const_expr(self.stream_evict_first):
+            # (here, where every lane is converged: lane_opaque is a warp shuffle)
+            q_do_dst = self._q_do_dst(storage, crow, csub)
         if q_ok:
-            for i in cutlass.range_constexpr(self.chunks // self.io_tpr):
-                c = csub + self.io_tpr * i
-                cute.copy(cp_atom, chunk16(mQ, q_row, c), chunk16(sQ, crow, c))
-            for i in cutlass.range_constexpr(d_v // 8 // self.io_tpr):
-                c = csub + self.io_tpr * i
-                cute.copy(cp_atom, chunk16(mDO, q_row, c), chunk16(sDO, crow, c))
+            if cutlass.const_expr(self.stream_evict_first):
+                self._copy_q_do_policy(mQ, mDO, q_do_dst, q_row, csub)
+            else:
+                cp_atom = cute.make_copy_atom(
+                    cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                    self.dtype,
+                    num_bits_per_copy=128,
+                )
+                for i in cutlass.range_constexpr(self.chunks // self.io_tpr):
+                    c = csub + self.io_tpr * i
+                    cute.copy(cp_atom, chunk16(mQ, q_row, c), chunk16(sQ, crow, c))
+                for i in cutlass.range_constexpr(d_v // 8 // self.io_tpr):
+                    c = csub + self.io_tpr * i
+                    cute.copy(cp_atom, chunk16(mDO, q_row, c), chunk16(sDO, crow, c))
         else:
             for i in cutlass.range_constexpr(self.chunks // self.io_tpr):
                 chunk16(sQ, crow, csub + self.io_tpr * i).fill(0)
@@ -674,6 +689,7 @@ class SparseMlaBwdSm90:
         warp's 16-byte stores cover 128 contiguous bytes of 4 rows; live heads only."""
         cute.arch.barrier(barrier_id=bar_id, number_of_threads=128)
         sO = cute.make_tensor(o_base, sO_layout)
+        pol = l2_evict_first_policy() if cutlass.const_expr(self.stream_evict_first) else None
         st_atom = cute.make_copy_atom(
             cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
         )
@@ -683,7 +699,46 @@ class SparseMlaBwdSm90:
                 q_row = bt * cutlass.Int64(H) + cutlass.Int64(h0 + row)
                 for i in cutlass.range_constexpr(n_chunks // 8):
                     c = c_lo + gtid % 8 + 8 * i
-                    cute.copy(st_atom, chunk16(sO, row, c), chunk16(mDQ, q_row, c))
+                    if cutlass.const_expr(self.stream_evict_first):
+                        r = cute.make_rmem_tensor(8, self.dtype)
+                        cute.autovec_copy(chunk16(sO, row, c), r)
+                        r32 = cute.recast_tensor(r, cutlass.Int32)
+                        st_global_v4_b32_policy(
+                            mDQ.iterator.toint() + (q_row * cutlass.Int64(self.d_qk) + c * 8) * 2,
+                            [r32[j] for j in range(4)], pol)
+                    else:
+                        cute.copy(st_atom, chunk16(sO, row, c), chunk16(mDQ, q_row, c))
+
+    @cute.jit
+    def _q_do_dst(self, storage, crow: cutlass.Int32, csub: cutlass.Int32):
+        """Shared addresses for _copy_q_do_policy: the copies place chunk c = csub + 4 i of
+        head row crow as the default copies do (sw128 tiles of 64 columns), i.e. in column
+        tile i // 2 at swizzle slot (csub + 4 (i % 2)) ^ (crow % 8). So two bases per buffer
+        (even and odd i) and constant offsets, each base through lane_opaque (a warp shuffle:
+        all lanes must be converged here)."""
+        assert self.io_tpr == 4
+        row_off = crow * 128
+        even = row_off + ((csub ^ (crow % 8)) * 16)
+        odd = row_off + (((csub + 4) ^ (crow % 8)) * 16)
+        q_base = storage.sQ.data_ptr().toint()
+        do_base = storage.sDO.data_ptr().toint()
+        return (lane_opaque(q_base + even), lane_opaque(q_base + odd),
+                lane_opaque(do_base + even), lane_opaque(do_base + odd))
+
+    @cute.jit
+    def _copy_q_do_policy(self, mQ: cute.Tensor, mDO: cute.Tensor, dst, q_row: cutlass.Int64,
+                          csub: cutlass.Int32):
+        """This thread's Q and dO chunks of global row q_row into shared memory at dst
+        (_q_do_dst) under an L2 evict-first policy: one cp.async each, a register plus
+        immediates on both sides."""
+        pol = l2_evict_first_policy()
+        q_src = mQ.iterator.toint() + (q_row * cutlass.Int64(self.d_qk) + csub * 8) * 2
+        do_src = mDO.iterator.toint() + (q_row * cutlass.Int64(self.d_v) + csub * 8) * 2
+        for src, d_even, d_odd, n in ((q_src, dst[0], dst[1], self.chunks // 4),
+                                      (do_src, dst[2], dst[3], self.d_v // 8 // 4)):
+            for i in cutlass.range_constexpr(n):
+                cp_async_16_policy(d_odd if i % 2 else d_even, src, pol,
+                                   (i // 2) * self.bm * 128, 64 * i)
 
     @cute.jit
     def _delta(self, gtid: cutlass.Int32, mO: cute.Tensor, mLse: cute.Tensor, mDelta,
@@ -702,6 +757,7 @@ class SparseMlaBwdSm90:
         n_ld = self.d_v // 8 // 2
         rO = cute.make_rmem_tensor((8, n_ld), self.dtype)
         rO.fill(0)
+        rO32 = cute.recast_tensor(rO, cutlass.Int32)  # (4, n_ld): the evict-first loads' view
         # two pools: this row's sink and lse for its dsink term (-inf: none)
         d_sink = -cutlass.Float32.inf
         d_lse = -cutlass.Float32.inf
@@ -710,11 +766,19 @@ class SparseMlaBwdSm90:
                 if half == 0:
                     d_sink = pool2[2][h]
                     d_lse = mLse[q_row]
-            ld_atom = cute.make_copy_atom(
-                cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
-            )
-            for i in cutlass.range_constexpr(n_ld):
-                cute.copy(ld_atom, chunk16(mO, q_row, 2 * i + half), rO[None, i])
+            if cutlass.const_expr(self.stream_evict_first):
+                pol = l2_evict_first_policy()
+                o_src = mO.iterator.toint() + q_row * cutlass.Int64(self.d_v * 2)
+                for i in cutlass.range_constexpr(n_ld):
+                    v = ld_global_v4_b32_policy(o_src + cutlass.Int64((2 * i + half) * 16), pol)
+                    for j in cutlass.range_constexpr(4):
+                        rO32[j, i] = v[j]
+            else:
+                ld_atom = cute.make_copy_atom(
+                    cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128
+                )
+                for i in cutlass.range_constexpr(n_ld):
+                    cute.copy(ld_atom, chunk16(mO, q_row, 2 * i + half), rO[None, i])
         cute.arch.mbarrier_wait(mbar + KV_FULL, 0)  # every thread's dO copies have landed
         prod = cute.make_rmem_tensor(8, cutlass.Float32)
         prod.fill(0.0)
@@ -1088,7 +1152,8 @@ class SparseMlaBwdTwoPoolSm90(SparseMlaBwdSm90):
 
 def compile_bwd_two_pool(dtype, d_qk: int, d_v: int = 512, **tuning):
     """Compile the two-pool backward with fake tensors (common.bwd_two_pool_fake_args);
-    `tuning`: red_evict_last, wg0_chunks, early_release (SparseMlaBwdSm90)."""
+    `tuning`: red_evict_last, wg0_chunks, early_release, stream_evict_first
+    (SparseMlaBwdSm90)."""
     return cute.compile(SparseMlaBwdTwoPoolSm90(dtype, d_qk, d_v, **tuning),
                         *bwd_two_pool_fake_args(dtype, d_qk, d_v))
 
@@ -1096,7 +1161,8 @@ def compile_bwd_two_pool(dtype, d_qk: int, d_v: int = 512, **tuning):
 def compile_bwd(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
                 group: int = 1, options: str | None = None, **tuning):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
-    needed. `tuning`: red_evict_last, wg0_chunks (None: the default for d_qk), early_release
-    (SparseMlaBwdSm90). `options`: extra cute.compile options, e.g. "--ptxas-options '-v'"."""
+    needed. `tuning`: red_evict_last, wg0_chunks (None: the default for d_qk), early_release,
+    stream_evict_first (SparseMlaBwdSm90). `options`: extra cute.compile options, e.g.
+    "--ptxas-options '-v'"."""
     return cute.compile(SparseMlaBwdSm90(dtype, d_qk, d_v, deterministic, group=group, **tuning),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))

@@ -108,6 +108,77 @@ def cp_async_16_zfill(dst_smem, src_gmem, src_bytes, dst_off: int = 0, src_off: 
 
 
 @dsl_user_op
+def l2_evict_first_policy(*, loc=None, ip=None):
+    """An L2 cache policy (createpolicy, fraction 1.0) for data read or written once: its lines
+    are evicted first. Int64, for the `*_policy` copies below."""
+    i64 = cutlass.Int64.mlir_type
+    res = llvm.inline_asm(i64, [], "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", "=l",
+                          has_side_effects=False, is_align_stack=False,
+                          asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return cutlass.Int64(res)
+
+
+@dsl_user_op
+def lane_opaque(x, *, loc=None, ip=None):
+    """x (Int32) through an identity shuffle (each lane reads its own value), so that ptxas
+    cannot split a shared-memory address made from it into a uniform base plus a per-thread
+    register (see cp_async_16_policy). A full-warp shuffle: call it where all 32 lanes are
+    converged, never under a per-lane branch."""
+    i32 = cutlass.Int32.mlir_type
+    res = llvm.inline_asm(
+        i32, [cutlass.Int32(x).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b32 lane; mov.u32 lane, %laneid; shfl.sync.idx.b32 $0, $1, lane, 0x1f, -1; }",
+        "=r,r", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return cutlass.Int32(res)
+
+
+@dsl_user_op
+def cp_async_16_policy(dst_smem, src_gmem, policy, dst_off: int = 0, src_off: int = 0, *,
+                       loc=None, ip=None):
+    """cp.async.cg of 16 bytes from global src_gmem + src_off to shared dst_smem + dst_off
+    under the L2 cache policy `policy` (offsets: immediates). dst_smem must come from
+    lane_opaque: the ptxas of nvidia-cutlass-dsl 4.8 encodes a cache-hinted LDGSTS whose shared
+    address it has split into a register and a uniform base with registers it never sets
+    (an illegal instruction at run time; dev/check_kernel_build.py rejects that form)."""
+    _asm(f"cp.async.cg.shared.global.L2::cache_hint [$0+{int(dst_off)}], [$1+{int(src_off)}], "
+         "16, $2;", "r,l,l,~{memory}",
+         [cutlass.Int32(dst_smem).ir_value(loc=loc, ip=ip),
+          cutlass.Int64(src_gmem).ir_value(loc=loc, ip=ip),
+          cutlass.Int64(policy).ir_value(loc=loc, ip=ip)], loc, ip)
+
+
+@dsl_user_op
+def ld_global_v4_b32_policy(src_gmem, policy, *, loc=None, ip=None):
+    """ld.global.v4.b32 of 16 bytes at src_gmem (16-byte aligned) under the L2 cache policy
+    `policy`: four Int32."""
+    i32 = cutlass.Int32.mlir_type
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([i32] * 4),
+        [cutlass.Int64(src_gmem).ir_value(loc=loc, ip=ip),
+         cutlass.Int64(policy).ir_value(loc=loc, ip=ip)],
+        "ld.global.L2::cache_hint.v4.b32 {$0, $1, $2, $3}, [$4], $5;",
+        "=r,=r,=r,=r,l,l",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return [cutlass.Int32(llvm.extractvalue(i32, res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def st_global_v4_b32_policy(dst_gmem, vals, policy, *, loc=None, ip=None):
+    """st.global.v4.b32 of four Int32 at dst_gmem (16-byte aligned) under the L2 cache policy
+    `policy`."""
+    _asm("st.global.L2::cache_hint.v4.b32 [$0], {$1, $2, $3, $4}, $5;", "l,r,r,r,r,l",
+         [cutlass.Int64(dst_gmem).ir_value(loc=loc, ip=ip)]
+         + [cutlass.Int32(v).ir_value(loc=loc, ip=ip) for v in vals]
+         + [cutlass.Int64(policy).ir_value(loc=loc, ip=ip)], loc, ip)
+
+
+@dsl_user_op
 def cp_async_4_zfill(dst_smem, src_gmem, src_bytes, *, loc=None, ip=None):
     """cp.async.ca of 4 bytes from global src_gmem to shared dst_smem; src_bytes = 0 writes
     4 zero bytes and reads nothing."""
