@@ -77,7 +77,7 @@ from .common import (LOG2_E, acc_mn_view, bwd_fake_args, bwd_two_pool_fake_args,
                      compile_options, cp_async_16_policy, cp_async_16_zfill, gather_source,
                      l2_evict_first_policy, lane_opaque, ld_global_v4_b32_policy,
                      load_block_indices, red_add_f32, red_add_v4_f32, st_global_v4_b32_policy,
-                     st_global_v4_f32)
+                     st_global_v4_f32, sw128_offset)
 from .scatter_layout import pair_rows_exchange
 
 
@@ -717,9 +717,8 @@ class SparseMlaBwdSm90:
         (even and odd i) and constant offsets, each base through lane_opaque (a warp shuffle:
         all lanes must be converged here)."""
         assert self.io_tpr == 4
-        row_off = crow * 128
-        even = row_off + ((csub ^ (crow % 8)) * 16)
-        odd = row_off + (((csub + 4) ^ (crow % 8)) * 16)
+        even = sw128_offset(self.bm, crow, csub)  # chunk csub; chunk csub + 4 (odd i) below
+        odd = sw128_offset(self.bm, crow, csub + 4)
         q_base = storage.sQ.data_ptr().toint()
         do_base = storage.sDO.data_ptr().toint()
         return (lane_opaque(q_base + even), lane_opaque(q_base + odd),
