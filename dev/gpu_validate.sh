@@ -4,7 +4,7 @@
 #   bash dev/gpu_validate.sh [tests-fwd] [tests-bwd] [tests-rest] [memcheck] [bench]
 #                            [bench-indexer] [bench-decode] [bench-layer] [train-compare]
 #                            [wgmma-ceiling] [bench-pools]
-#                            [profile] [hotlines] [hotlines-layer]
+#                            [profile] [hotlines] [hotlines-layer] [hotlines-decode]
 #                                                                         (default: all tests)
 #
 # Each step has its own time limit (the backward tests take ~6 minutes: run them in their own
@@ -95,6 +95,14 @@ for step in "${steps[@]}"; do
           > "$out/src_$1_h$2_k$3.csv" 2>/dev/null || rc=$?
         python3 dev/ncu_hot_lines.py "$out/src_$1_h$2_k$3.csv" 20 | cut -c1-160
       done ;;
+    hotlines-decode)  # the same for the decode forward's split kernel (8 tokens, S 64K, 8 parts)
+      rc=0
+      timeout 150 ncu --clock-control none --launch-skip 1 --launch-count 1 --kernel-name regex:SparseMlaFwd \
+        --section SourceCounters --section WarpStateStats -o "$out/src_decode8" -f \
+        python3 dev/profile_case.py decode 8 > "$out/src_decode8.log" 2>&1 || rc=$?
+      ncu --import "$out/src_decode8.ncu-rep" --page source --csv --print-source sass \
+        > "$out/src_decode8.csv" 2>/dev/null || rc=$?
+      python3 dev/ncu_hot_lines.py "$out/src_decode8.csv" 30 | cut -c1-160 ;;
     hotlines-layer)  # the same for the DSA layer's attention backward kernel (V4-Flash)
       rc=0
       timeout 200 ncu --clock-control none --profile-from-start off --kernel-name regex:SparseMlaBwd \

@@ -2,13 +2,16 @@
 """Run one benchmark shape a few times, for a profiler (jax_dsa/_lib must be built):
 
     python dev/profile_case.py fwd|bwd H TOPK [S]
+    python dev/profile_case.py decode B          # B tokens, one per sequence of S = 64K
     ncu --clock-control none --launch-skip 1 --launch-count 1 --kernel-name regex:SparseMlaFwd \\
         --section SpeedOfLight --section MemoryWorkloadAnalysis python dev/profile_case.py fwd 64 512
 
 Inputs are examples/benchmark.py's (T = S = 4096, D = 512, window 128 + TOPK random rows, so
 K = 128 + TOPK; with S, the 4096 queries are the last positions of a sequence of S). "bwd" runs
 jax.grad, i.e. the forward and then the backward kernel (its class name contains SparseMlaBwd;
-the forward's SparseMlaFwd). A kernel other than the default: edit the call to pass config=
+the forward's SparseMlaFwd). "decode" runs examples/benchmark.py --decode's inputs (H 128,
+Dqk 576, K 2048, a sink) through the default forward: the split kernel and its combine when B
+tokens leave the GPU empty. A kernel other than the default: edit the call to pass config=
 (jax_dsa.cute.Config).
 `bash dev/gpu_validate.sh profile` profiles the default shapes with the sections that matter.
 """
@@ -27,7 +30,16 @@ from benchmark import make_inputs  # noqa: E402
 
 
 def main():
-    which, heads, topk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    which = sys.argv[1]
+    if which == "decode":
+        tokens = int(sys.argv[2])
+        q, kv, idx, sink, _ = make_inputs(128, 1920, 1, 65536, d=576, batch=tokens)
+        fn = jax.jit(lambda q, kv, sink: jax_dsa.sparse_mla(q, kv, idx, sink=sink))
+        for _ in range(3):
+            jax.block_until_ready(fn(q, kv, sink))
+        print("profile_case done decode", tokens)
+        return
+    heads, topk = int(sys.argv[2]), int(sys.argv[3])
     seq = int(sys.argv[4]) if len(sys.argv) > 4 else None
     q, kv, idx, sink, _ = make_inputs(heads, topk, 4096, seq)
     if which == "fwd":
@@ -40,7 +52,7 @@ def main():
 
         fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     else:
-        raise SystemExit(f"profile_case: first argument must be fwd or bwd, got {which!r}")
+        raise SystemExit(f"profile_case: first argument must be fwd, bwd or decode, got {which!r}")
     for _ in range(3):
         jax.block_until_ready(fn(q, kv, sink))
     print("profile_case done", which, heads, topk)
