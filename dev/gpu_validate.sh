@@ -97,7 +97,7 @@ for step in "${steps[@]}"; do
       done ;;
     hotlines-decode)  # the same for the decode forward's split kernel (8 tokens, S 64K, 8 parts)
       rc=0
-      timeout 150 ncu --clock-control none --launch-skip 1 --launch-count 1 --kernel-name regex:SparseMlaFwd \
+      timeout 150 ncu --clock-control none --launch-skip 1 --launch-count 1 --kernel-name regex:SparseMlaFwdPingPong \
         --section SourceCounters --section WarpStateStats -o "$out/src_decode8" -f \
         python3 dev/profile_case.py decode 8 > "$out/src_decode8.log" 2>&1 || rc=$?
       ncu --import "$out/src_decode8.ncu-rep" --page source --csv --print-source sass \
