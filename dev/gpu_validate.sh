@@ -27,6 +27,18 @@ pytest_step() {  # name seconds files...
   grep -E "passed|failed|FAILED|atomic dkv" "$out/$name.log" | tail -12
 }
 
+hot_lines() {  # name seconds top ncu-options... -- command...: source counters, then the hot SASS lines
+  local name=$1 secs=$2 top=$3 opts=()
+  shift 3
+  while [ "$1" != "--" ]; do opts+=("$1"); shift; done
+  shift
+  timeout "$secs" ncu --clock-control none "${opts[@]}" --section SourceCounters \
+    --section WarpStateStats -o "$out/$name" -f "$@" > "$out/$name.log" 2>&1 || rc=$?
+  ncu --import "$out/$name.ncu-rep" --page source --csv --print-source sass \
+    > "$out/$name.csv" 2>/dev/null || rc=$?
+  python3 dev/ncu_hot_lines.py "$out/$name.csv" "$top" | cut -c1-160
+}
+
 for step in "${steps[@]}"; do
   start=$(date +%s)
   case "$step" in
@@ -88,29 +100,17 @@ for step in "${steps[@]}"; do
       rc=0
       for c in "fwd 64 0 SparseMlaFwd" "bwd 64 512 SparseMlaBwd"; do
         set -- $c
-        timeout 150 ncu --clock-control none --launch-skip 1 --launch-count 1 --kernel-name "regex:$4" \
-          --section SourceCounters --section WarpStateStats -o "$out/src_$1_h$2_k$3" -f \
-          python3 dev/profile_case.py "$1" "$2" "$3" > "$out/src_$1_h$2_k$3.log" 2>&1 || rc=$?
-        ncu --import "$out/src_$1_h$2_k$3.ncu-rep" --page source --csv --print-source sass \
-          > "$out/src_$1_h$2_k$3.csv" 2>/dev/null || rc=$?
-        python3 dev/ncu_hot_lines.py "$out/src_$1_h$2_k$3.csv" 20 | cut -c1-160
+        hot_lines "src_$1_h$2_k$3" 150 20 --launch-skip 1 --launch-count 1 --kernel-name "regex:$4" -- \
+          python3 dev/profile_case.py "$1" "$2" "$3"
       done ;;
     hotlines-decode)  # the same for the decode forward's split kernel (8 tokens, S 64K, 8 parts)
       rc=0
-      timeout 150 ncu --clock-control none --launch-skip 1 --launch-count 1 --kernel-name regex:SparseMlaFwdPingPong \
-        --section SourceCounters --section WarpStateStats -o "$out/src_decode8" -f \
-        python3 dev/profile_case.py decode 8 > "$out/src_decode8.log" 2>&1 || rc=$?
-      ncu --import "$out/src_decode8.ncu-rep" --page source --csv --print-source sass \
-        > "$out/src_decode8.csv" 2>/dev/null || rc=$?
-      python3 dev/ncu_hot_lines.py "$out/src_decode8.csv" 30 | cut -c1-160 ;;
+      hot_lines src_decode8 150 30 --launch-skip 1 --launch-count 1 \
+        --kernel-name regex:SparseMlaFwdPingPong -- python3 dev/profile_case.py decode 8 ;;
     hotlines-layer)  # the same for the DSA layer's attention backward kernel (V4-Flash)
       rc=0
-      timeout 200 ncu --clock-control none --profile-from-start off --kernel-name regex:SparseMlaBwd \
-        --section SourceCounters --section WarpStateStats -o "$out/src_layer_bwd" -f \
-        python3 dev/profile_layer.py V4-Flash attn_bwd > "$out/src_layer_bwd.log" 2>&1 || rc=$?
-      ncu --import "$out/src_layer_bwd.ncu-rep" --page source --csv --print-source sass \
-        > "$out/src_layer_bwd.csv" 2>/dev/null || rc=$?
-      python3 dev/ncu_hot_lines.py "$out/src_layer_bwd.csv" 30 | cut -c1-160 ;;
+      hot_lines src_layer_bwd 200 30 --profile-from-start off --kernel-name regex:SparseMlaBwd -- \
+        python3 dev/profile_layer.py V4-Flash attn_bwd ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
   echo "[$step] rc=$rc in $(( $(date +%s) - start )) s"

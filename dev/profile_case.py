@@ -26,23 +26,22 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jax_dsa  # noqa: E402
-from benchmark import make_inputs  # noqa: E402
+from benchmark import DECODE, make_inputs  # noqa: E402
 
 
 def main():
     which = sys.argv[1]
-    if which == "decode":
-        tokens = int(sys.argv[2])
-        q, kv, idx, sink, _ = make_inputs(128, 1920, 1, 65536, d=576, batch=tokens)
-        fn = jax.jit(lambda q, kv, sink: jax_dsa.sparse_mla(q, kv, idx, sink=sink))
-        for _ in range(3):
-            jax.block_until_ready(fn(q, kv, sink))
-        print("profile_case done decode", tokens)
-        return
-    heads, topk = int(sys.argv[2]), int(sys.argv[3])
-    seq = int(sys.argv[4]) if len(sys.argv) > 4 else None
-    q, kv, idx, sink, _ = make_inputs(heads, topk, 4096, seq)
-    if which == "fwd":
+    if which == "decode":  # benchmark.py --decode's shape (H 128, Dqk 576, a sink), B tokens
+        _, heads, topk, tokens, seq, d, _ = DECODE[0]
+        batch = int(sys.argv[2])
+        q, kv, idx, sink, _ = make_inputs(heads, topk, tokens, seq, d=d, batch=batch)
+        label = (batch,)
+    else:
+        heads, topk = int(sys.argv[2]), int(sys.argv[3])
+        seq = int(sys.argv[4]) if len(sys.argv) > 4 else None
+        q, kv, idx, sink, _ = make_inputs(heads, topk, 4096, seq)
+        label = (heads, topk)
+    if which in ("fwd", "decode"):
         fn = jax.jit(lambda q, kv, sink: jax_dsa.sparse_mla(q, kv, idx, sink=sink))
     elif which == "bwd":
         w = jax.random.normal(jax.random.PRNGKey(1), q.shape[:3] + (512,), jnp.float32)
@@ -55,7 +54,7 @@ def main():
         raise SystemExit(f"profile_case: first argument must be fwd, bwd or decode, got {which!r}")
     for _ in range(3):
         jax.block_until_ready(fn(q, kv, sink))
-    print("profile_case done", which, heads, topk)
+    print("profile_case done", which, *label)
 
 
 if __name__ == "__main__":
