@@ -30,7 +30,8 @@ pytest_step() {  # name seconds files...
 hot_lines() {  # name seconds top ncu-options... -- command...: source counters, then the hot SASS lines
   local name=$1 secs=$2 top=$3 opts=()
   shift 3
-  while [ "$1" != "--" ]; do opts+=("$1"); shift; done
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do opts+=("$1"); shift; done
+  [ $# -gt 0 ] || { echo "hot_lines $name: no -- before the command"; rc=2; return; }
   shift
   timeout "$secs" ncu --clock-control none "${opts[@]}" --section SourceCounters \
     --section WarpStateStats -o "$out/$name" -f "$@" > "$out/$name.log" 2>&1 || rc=$?
