@@ -42,12 +42,21 @@ __global__ void __launch_bounds__(256) fwd_moves(const uint4* kv, const int* idx
   const int n_blocks = (end - begin + BLOCK - 1) / BLOCK;
   const int stage_chunks = BLOCK * chunks;
   uint4 acc = make_uint4(0, 0, 0, 0);
+  __shared__ int rows[2][BLOCK];  // the block's indices, loaded before its gathers
   for (int b = 0; b < n_blocks; ++b) {
     uint4* stage = ring + (b & 1) * stage_chunks;
     if (GATHER) {
-      for (int i = threadIdx.x; i < stage_chunks; i += blockDim.x) {
-        const int r = i / chunks, c = i % chunks, e = begin + b * BLOCK + r;
-        if (e < end) cp_async16(stage + i, kv + (size_t)__ldg(list + e) * chunks + c);
+      if (threadIdx.x < BLOCK) {
+        const int e = begin + b * BLOCK + threadIdx.x;
+        rows[b & 1][threadIdx.x] = e < end ? __ldg(list + e) : -1;
+      }
+      __syncthreads();
+      // 16 consecutive threads read one row's 16-byte chunks; each thread walks rows
+      for (int r = threadIdx.x / 16; r < BLOCK; r += blockDim.x / 16) {
+        const int row = rows[b & 1][r];
+        if (row >= 0)
+          for (int c = threadIdx.x % 16; c < chunks; c += 16)
+            cp_async16(stage + r * chunks + c, kv + (size_t)row * chunks + c);
       }
       cp_commit();
       cp_wait1();  // the previous block has landed: "consume" one 16-byte word of it
