@@ -6,13 +6,19 @@
 // a case is a floor for any forward that keeps that grid (its gathers and stores), however it
 // computes; "hb 1" is the same work with one CTA per token covering all heads (each row
 // gathered once per token), the design the issue asks about.
-//   nvcc -O3 -arch=sm_90a dev/fwd_gather_floor.cu -o build/fgf && build/fgf
+//   nvcc -O3 -gencode arch=compute_90a,code=sm_90a dev/fwd_gather_floor.cu -o build/fgf && build/fgf
+// "pair, TMA multicast": the two head-block CTAs of a (token, part) form a cluster; each loads
+// half of every block's rows with one TMA row box per <= 256 columns, multicast into both CTAs'
+// rings (so L2 serves each row once per token), a cluster barrier per block frees a stage.
+// "TMA, no multicast" is the same kernel with each CTA loading all its rows itself (the cost of
+// the one-row TMA boxes alone).
 // Lists: as examples/benchmark.py --long (the 128 positions ending at the token + distinct
 // uniform rows of [0, S)), tokens = the last T positions of S.
 #include <algorithm>
 #include <cstdio>
 #include <random>
 #include <vector>
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include "median_ms.cuh"
@@ -76,12 +82,136 @@ __global__ void __launch_bounds__(256) fwd_moves(const uint4* kv, const int* idx
   if (acc.x == 0x12345678u) sink[0] = acc;
 }
 
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// grid x as fwd_moves; cluster (2, 1, 1) when MULTICAST (the token's two head blocks).
+// boxes = row boxes per row (box_cols columns each); rank = the CTA's rank in its pair.
+template <bool MULTICAST>
+__global__ void __launch_bounds__(256) fwd_moves_tma(const __grid_constant__ CUtensorMap map,
+                                                     const int* idx, int K, int P, int HB,
+                                                     int row_bytes, int boxes, int box_cols,
+                                                     uint4* out, uint4* sink) {
+  extern __shared__ __align__(1024) unsigned char ring_b[];  // 2 stages x BLOCK rows
+  __shared__ __align__(8) unsigned long long full[2];
+  const int cta = blockIdx.x;
+  const int p = (cta / HB) % P, t = cta / (HB * P);
+  unsigned rank = 0;
+  if (MULTICAST) asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  const int per = (K + P - 1) / P;
+  const int begin = p * per, end = min(K, begin + per);
+  const int* list = idx + (size_t)t * K;
+  const int n_blocks = (end - begin + BLOCK - 1) / BLOCK;
+  const int stage_bytes = BLOCK * row_bytes;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < 2; ++i)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&full[i])));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  asm volatile("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;"
+               ::: "memory");
+  // block b: the rows [b * BLOCK, ...) of the part; with MULTICAST this CTA loads half of them
+  auto issue = [&](int b) {
+    const int valid = min(BLOCK, end - begin - b * BLOCK);
+    const int s = b & 1;
+    if (threadIdx.x == 0)
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                   ::"r"(smem_u32(&full[s])), "r"(valid * row_bytes) : "memory");
+    const int lo = MULTICAST ? int(rank) * (BLOCK / 2) : 0;
+    const int hi = MULTICAST ? lo + BLOCK / 2 : BLOCK;
+    for (int r = lo + int(threadIdx.x); r < min(hi, valid); r += blockDim.x) {
+      const int row = __ldg(list + begin + b * BLOCK + r);
+      for (int j = 0; j < boxes; ++j) {
+        const unsigned dst = smem_u32(ring_b + s * stage_bytes + r * row_bytes + j * box_cols * 2);
+        if (MULTICAST)
+          asm volatile(
+              "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+              ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;"
+              ::"r"(dst), "l"(&map), "r"(j * box_cols), "r"(row), "r"(smem_u32(&full[s])),
+              "h"((unsigned short)3) : "memory");
+        else
+          asm volatile(
+              "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+              " [%0], [%1, {%2, %3}], [%4];"
+              ::"r"(dst), "l"(&map), "r"(j * box_cols), "r"(row), "r"(smem_u32(&full[s]))
+              : "memory");
+      }
+    }
+  };
+  if (n_blocks > 0) issue(0);
+  uint4 acc = make_uint4(0, 0, 0, 0);
+  for (int b = 0; b < n_blocks; ++b) {
+    if (b >= 1)  // both CTAs have read block b - 1: its stage may be refilled
+      asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    if (b + 1 < n_blocks) issue(b + 1);
+    const unsigned bar = smem_u32(&full[b & 1]), phase = (b >> 1) & 1;
+    unsigned done = 0;
+    while (!done)
+      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;"
+                   " selp.u32 %0, 1, 0, p; }" : "=r"(done) : "r"(bar), "r"(phase) : "memory");
+    uint4 x = reinterpret_cast<const uint4*>(ring_b + (b & 1) * stage_bytes)[threadIdx.x];
+    acc.x ^= x.x;
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+  }
+  if (n_blocks > 0) asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+  uint4* o = out + (size_t)cta * (64 * D_V * 2 / 16);
+  for (int i = threadIdx.x; i < 64 * D_V * 2 / 16; i += blockDim.x)
+    o[i] = make_uint4(acc.x ^ i, 0, 0, 0);
+  if (acc.x == 0x12345678u) sink[0] = acc;
+}
+
+// kv [S, Dqk] bf16 as a 2-D tensor map with one-row boxes of box_cols columns
+static CUtensorMap row_map(const void* kv, int S, int Dqk, int box_cols) {
+  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                              const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                              const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                              CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static Encode encode = nullptr;
+  if (!encode) {
+    cudaDriverEntryPointQueryResult q;
+    cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode), 12000,
+                            cudaEnableDefault, &q);
+  }
+  CUtensorMap m;
+  const cuuint64_t dims[2] = {cuuint64_t(Dqk), cuuint64_t(S)};
+  const cuuint64_t strides[1] = {cuuint64_t(Dqk) * 2};
+  const cuuint32_t box[2] = {cuuint32_t(box_cols), 1};
+  const cuuint32_t elem[2] = {1, 1};
+  CUresult r = encode(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(kv), dims,
+                      strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                      CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) printf("cuTensorMapEncodeTiled failed: %d\n", int(r));
+  return m;
+}
+
+template <bool MULTICAST>
+static void launch_tma(const CUtensorMap& map, int ctas, const int* idx, int K, int P, int HB,
+                       int Dqk, uint4* out, uint4* sink) {
+  const int boxes = (Dqk + 255) / 256, box_cols = Dqk / boxes;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(ctas);
+  cfg.blockDim = dim3(256);
+  cfg.dynamicSmemBytes = SMEM_BYTES;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = MULTICAST ? 2 : 1;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  cudaLaunchKernelEx(&cfg, fwd_moves_tma<MULTICAST>, map, idx, K, P, HB, Dqk * 2, boxes,
+                     box_cols, out, sink);
+}
+
 struct Case {
   const char* name;
   int T, S, K, Dqk, P, HB;
 };
 
 int main() {
+  setvbuf(stdout, nullptr, _IONBF, 0);  // each line out as it comes (a hang is killed by timeout)
   const Case cases[] = {
       {"decode 8 tok,  8 parts, hb 2 (today)", 8, 65536, 2048, 576, 8, 2},
       {"decode 8 tok,  8 parts, hb 1        ", 8, 65536, 2048, 576, 8, 1},
@@ -99,6 +229,8 @@ int main() {
   cudaMalloc(&sink, 16);
   cudaFuncSetAttribute(fwd_moves<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
   cudaFuncSetAttribute(fwd_moves<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+  for (auto f : {fwd_moves_tma<true>, fwd_moves_tma<false>})
+    cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
   int dev_l2 = 0;
   cudaDeviceGetAttribute(&dev_l2, cudaDevAttrL2CacheSize, 0);
   printf("L2 %d MB; one CTA per SM (%d KB shared), 256 threads\n", dev_l2 >> 20, SMEM_BYTES >> 10);
@@ -142,6 +274,18 @@ int main() {
     const double gb = double(c.T) * c.HB * c.K * c.Dqk * 2 / 1e9;
     printf("%s: %5d CTAs, gather %.3f GB: %9.1f us (%.2f TB/s) | no gather (launch, stores) "
            "%7.1f us\n", c.name, ctas, gb, tg * 1e3, gb / tg, t0 * 1e3);
+    if (c.HB == 2) {  // the same grid through TMA row boxes: each CTA alone, then pairs multicasting
+      const int boxes = (c.Dqk + 255) / 256;
+      const CUtensorMap map = row_map(kv, c.S, c.Dqk, c.Dqk / boxes);
+      for (int i = 0; i < 3; ++i) launch_tma<true>(map, ctas, idx, c.K, c.P, c.HB, c.Dqk, out, sink);
+      const float tm = median_ms(
+          [&] { launch_tma<true>(map, ctas, idx, c.K, c.P, c.HB, c.Dqk, out, sink); }, reps);
+      const float ts = median_ms(
+          [&] { launch_tma<false>(map, ctas, idx, c.K, c.P, c.HB, c.Dqk, out, sink); }, reps);
+      printf("%*s  TMA, no multicast %9.1f us | pair, TMA multicast %9.1f us (%.2f TB/s of rows "
+             "delivered, half from L2) | %s\n", 36, "", ts * 1e3, tm * 1e3, gb / tm,
+             cudaGetErrorString(cudaGetLastError()));
+    }
     cudaFree(idx);
     cudaFree(kv);
     cudaFree(out);
