@@ -25,6 +25,7 @@
 
 constexpr int WINDOW = 128, BLOCK = 64, D_V = 512;
 constexpr int SMEM_BYTES = 200 * 1024;  // forces one CTA per SM, as the kernel's 208-224 KB
+constexpr int TMA_SMEM_BYTES = 3 * BLOCK * 1152;  // up to three stages of Dqk 576 rows (216 KB)
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -92,9 +93,10 @@ template <bool MULTICAST>
 __global__ void __launch_bounds__(256) fwd_moves_tma(const __grid_constant__ CUtensorMap map,
                                                      const int* idx, int K, int P, int HB,
                                                      int row_bytes, int boxes, int box_cols,
+                                                     int stages,
                                                      uint4* out, uint4* sink) {
   extern __shared__ __align__(1024) unsigned char ring_b[];  // 2 stages x BLOCK rows
-  __shared__ __align__(8) unsigned long long full[2];
+  __shared__ __align__(8) unsigned long long full[3];
   const int cta = blockIdx.x;
   const int p = (cta / HB) % P, t = cta / (HB * P);
   unsigned rank = 0;
@@ -105,7 +107,7 @@ __global__ void __launch_bounds__(256) fwd_moves_tma(const __grid_constant__ CUt
   const int n_blocks = (end - begin + BLOCK - 1) / BLOCK;
   const int stage_bytes = BLOCK * row_bytes;
   if (threadIdx.x == 0) {
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < stages; ++i)
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&full[i])));
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -114,7 +116,7 @@ __global__ void __launch_bounds__(256) fwd_moves_tma(const __grid_constant__ CUt
   // block b: the rows [b * BLOCK, ...) of the part; with MULTICAST this CTA loads half of them
   auto issue = [&](int b) {
     const int valid = min(BLOCK, end - begin - b * BLOCK);
-    const int s = b & 1;
+    const int s = b % stages;
     if (threadIdx.x == 0)
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
                    ::"r"(smem_u32(&full[s])), "r"(valid * row_bytes) : "memory");
@@ -139,18 +141,18 @@ __global__ void __launch_bounds__(256) fwd_moves_tma(const __grid_constant__ CUt
       }
     }
   };
-  if (n_blocks > 0) issue(0);
+  for (int b = 0; b < min(stages - 1, n_blocks); ++b) issue(b);
   uint4 acc = make_uint4(0, 0, 0, 0);
   for (int b = 0; b < n_blocks; ++b) {
-    if (b >= 1)  // both CTAs have read block b - 1: its stage may be refilled
+    if (b >= 1)  // both CTAs have read block b - 1: its stage takes block b + stages - 1
       asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-    if (b + 1 < n_blocks) issue(b + 1);
-    const unsigned bar = smem_u32(&full[b & 1]), phase = (b >> 1) & 1;
+    if (b + stages - 1 < n_blocks) issue(b + stages - 1);
+    const unsigned bar = smem_u32(&full[b % stages]), phase = (b / stages) & 1;
     unsigned done = 0;
     while (!done)
       asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;"
                    " selp.u32 %0, 1, 0, p; }" : "=r"(done) : "r"(bar), "r"(phase) : "memory");
-    uint4 x = reinterpret_cast<const uint4*>(ring_b + (b & 1) * stage_bytes)[threadIdx.x];
+    uint4 x = reinterpret_cast<const uint4*>(ring_b + (b % stages) * stage_bytes)[threadIdx.x];
     acc.x ^= x.x;
     asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
   }
@@ -188,12 +190,12 @@ static CUtensorMap row_map(const void* kv, int S, int Dqk, int box_cols) {
 
 template <bool MULTICAST>
 static void launch_tma(const CUtensorMap& map, int ctas, const int* idx, int K, int P, int HB,
-                       int Dqk, uint4* out, uint4* sink) {
+                       int Dqk, int stages, uint4* out, uint4* sink) {
   const int boxes = (Dqk + 255) / 256, box_cols = Dqk / boxes;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(ctas);
   cfg.blockDim = dim3(256);
-  cfg.dynamicSmemBytes = SMEM_BYTES;
+  cfg.dynamicSmemBytes = TMA_SMEM_BYTES;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = MULTICAST ? 2 : 1;
@@ -202,7 +204,7 @@ static void launch_tma(const CUtensorMap& map, int ctas, const int* idx, int K, 
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   cudaLaunchKernelEx(&cfg, fwd_moves_tma<MULTICAST>, map, idx, K, P, HB, Dqk * 2, boxes,
-                     box_cols, out, sink);
+                     box_cols, stages, out, sink);
 }
 
 struct Case {
@@ -230,7 +232,7 @@ int main() {
   cudaFuncSetAttribute(fwd_moves<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
   cudaFuncSetAttribute(fwd_moves<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
   for (auto f : {fwd_moves_tma<true>, fwd_moves_tma<false>})
-    cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+    cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, TMA_SMEM_BYTES);
   int dev_l2 = 0;
   cudaDeviceGetAttribute(&dev_l2, cudaDevAttrL2CacheSize, 0);
   printf("L2 %d MB; one CTA per SM (%d KB shared), 256 threads\n", dev_l2 >> 20, SMEM_BYTES >> 10);
@@ -277,14 +279,19 @@ int main() {
     if (c.HB == 2) {  // the same grid through TMA row boxes: each CTA alone, then pairs multicasting
       const int boxes = (c.Dqk + 255) / 256;
       const CUtensorMap map = row_map(kv, c.S, c.Dqk, c.Dqk / boxes);
-      for (int i = 0; i < 3; ++i) launch_tma<true>(map, ctas, idx, c.K, c.P, c.HB, c.Dqk, out, sink);
-      const float tm = median_ms(
-          [&] { launch_tma<true>(map, ctas, idx, c.K, c.P, c.HB, c.Dqk, out, sink); }, reps);
-      const float ts = median_ms(
-          [&] { launch_tma<false>(map, ctas, idx, c.K, c.P, c.HB, c.Dqk, out, sink); }, reps);
-      printf("%*s  TMA, no multicast %9.1f us | pair, TMA multicast %9.1f us (%.2f TB/s of rows "
-             "delivered, half from L2) | %s\n", 36, "", ts * 1e3, tm * 1e3, gb / tm,
-             cudaGetErrorString(cudaGetLastError()));
+      for (int stages : {2, 3}) {  // the ring's depth: 2 as the kernel, 3 shows latency vs rate
+        for (int i = 0; i < 3; ++i)
+          launch_tma<true>(map, ctas, idx, c.K, c.P, c.HB, c.Dqk, stages, out, sink);
+        const float tm = median_ms(
+            [&] { launch_tma<true>(map, ctas, idx, c.K, c.P, c.HB, c.Dqk, stages, out, sink); },
+            reps);
+        const float ts = median_ms(
+            [&] { launch_tma<false>(map, ctas, idx, c.K, c.P, c.HB, c.Dqk, stages, out, sink); },
+            reps);
+        printf("%*s  %d stages: TMA, no multicast %9.1f us | pair, TMA multicast %9.1f us (%.2f "
+               "TB/s of rows delivered, half from L2) | %s\n", 30, "", stages, ts * 1e3,
+               tm * 1e3, gb / tm, cudaGetErrorString(cudaGetLastError()));
+      }
     }
     cudaFree(idx);
     cudaFree(kv);
