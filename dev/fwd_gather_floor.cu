@@ -5,15 +5,16 @@
 // 200+ KB of shared memory), grid order (token, part, head block) as the kernel's. The time of
 // a case is a floor for any forward that keeps that grid (its gathers and stores), however it
 // computes; "hb 1" is the same work with one CTA per token covering all heads (each row
-// gathered once per token), the design the issue asks about.
-//   nvcc -O3 -gencode arch=compute_90a,code=sm_90a dev/fwd_gather_floor.cu -o build/fgf && build/fgf
+// gathered once per token), the grid issue 26 asks about.
 // "pair, TMA multicast": the two head-block CTAs of a (token, part) form a cluster; each loads
 // half of every block's rows with one TMA row box per <= 256 columns, multicast into both CTAs'
-// rings (so L2 serves each row once per token), a cluster barrier per block frees a stage.
-// "TMA, no multicast" is the same kernel with each CTA loading all its rows itself (the cost of
-// the one-row TMA boxes alone).
+// rings (so L2 serves each row once per token), a cluster barrier per block frees a stage; ring
+// depth 2 (as the kernel) or 3. "TMA, no multicast" is the same kernel with each CTA loading all
+// its rows itself (the cost of the one-row TMA boxes alone).
 // Lists: as examples/benchmark.py --long (the 128 positions ending at the token + distinct
-// uniform rows of [0, S)), tokens = the last T positions of S.
+// uniform rows of [0, S)), tokens = the last T positions of S. Build and run:
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a dev/fwd_gather_floor.cu \
+//     -o build/fgf && build/fgf
 #include <algorithm>
 #include <cstdio>
 #include <random>
