@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "mbarrier.cuh"
 #include "median_ms.cuh"
 
 namespace cg = cooperative_groups;
@@ -23,30 +24,10 @@ constexpr int kBytes = 48 * 1024;  // per block and direction: 2 x 16 KB fp32 pa
 constexpr int kVecs = kBytes / 16;
 constexpr int kBufs = 2;
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 __device__ __forceinline__ uint32_t map_rank(uint32_t addr, uint32_t rank) {
   uint32_t out;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(addr), "r"(rank));
   return out;
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
-}
-
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{ .reg .pred p; W: mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;"
-      " @!p bra W; }" ::"r"(bar), "r"(parity)
-      : "memory");
 }
 
 __device__ __forceinline__ void mbar_arrive_remote(uint32_t remote_bar) {

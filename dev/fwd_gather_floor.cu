@@ -22,6 +22,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include "mbarrier.cuh"
 #include "median_ms.cuh"
 
 constexpr int WINDOW = 128, BLOCK = 64, D_V = 512;
@@ -29,25 +30,43 @@ constexpr int SMEM_BYTES = 200 * 1024;  // forces one CTA per SM, as the kernel'
 constexpr int TMA_SMEM_BYTES = 3 * BLOCK * 1152;  // up to three stages of Dqk 576 rows (216 KB)
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(smem)), "l"(gmem)
+               : "memory");
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void cp_wait1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 __device__ __forceinline__ void cp_wait0() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 
-// grid x = (t * P + p) * HB + hb; the CTA gathers entries [p * per, (p + 1) * per) of token t.
+// The CTA's part of its token's list: grid x = (t * P + p) * HB + hb, entries [begin, end) of
+// token t's list (every head block of the token gathers the same rows).
+struct Part {
+  const int* list;
+  int begin, end, n_blocks;
+};
+
+__device__ __forceinline__ Part cta_part(const int* idx, int K, int P, int HB) {
+  const int cta = blockIdx.x;
+  const int p = (cta / HB) % P, t = cta / (HB * P);
+  const int per = (K + P - 1) / P;
+  const int begin = p * per, end = min(K, begin + per);
+  return {idx + (size_t)t * K, begin, end, (end - begin + BLOCK - 1) / BLOCK};
+}
+
+// the part's output tile: 64 heads x 512 bf16 (64 KB), row-major, 16-byte stores; acc keeps
+// the gathers' loads alive
+__device__ __forceinline__ void store_tile(uint4 acc, uint4* out, uint4* sink) {
+  uint4* o = out + (size_t)blockIdx.x * (64 * D_V * 2 / 16);
+  for (int i = threadIdx.x; i < 64 * D_V * 2 / 16; i += blockDim.x)
+    o[i] = make_uint4(acc.x ^ i, 0, 0, 0);
+  if (acc.x == 0x12345678u) sink[0] = acc;
+}
+
 // chunks = Dqk * 2 / 16 per row. GATHER = false: the launch, index loads and stores alone.
 template <bool GATHER>
 __global__ void __launch_bounds__(256) fwd_moves(const uint4* kv, const int* idx, int K, int P,
                                                  int HB, int chunks, uint4* out, uint4* sink) {
   extern __shared__ uint4 ring[];  // 2 stages x BLOCK rows x chunks
-  const int cta = blockIdx.x;
-  const int p = (cta / HB) % P, t = cta / (HB * P);  // every head block gathers the same rows
-  const int per = (K + P - 1) / P;
-  const int begin = p * per, end = min(K, begin + per);
-  const int* list = idx + (size_t)t * K;
-  const int n_blocks = (end - begin + BLOCK - 1) / BLOCK;
+  const auto [list, begin, end, n_blocks] = cta_part(idx, K, P, HB);
   const int stage_chunks = BLOCK * chunks;
   uint4 acc = make_uint4(0, 0, 0, 0);
   __shared__ int rows[2][BLOCK];  // the block's indices, loaded before its gathers
@@ -77,39 +96,30 @@ __global__ void __launch_bounds__(256) fwd_moves(const uint4* kv, const int* idx
   }
   if (GATHER) cp_wait0();
   __syncthreads();
-  // the part's output tile: 64 heads x 512 bf16 (64 KB), row-major, 16-byte stores
-  uint4* o = out + (size_t)cta * (64 * D_V * 2 / 16);
-  for (int i = threadIdx.x; i < 64 * D_V * 2 / 16; i += blockDim.x)
-    o[i] = make_uint4(acc.x ^ i, 0, 0, 0);
-  if (acc.x == 0x12345678u) sink[0] = acc;
+  store_tile(acc, out, sink);
 }
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
+// Row boxes per kv row: the fewest boxes of at most 256 columns (a TMA box's limit).
+__host__ __device__ constexpr int row_boxes(int Dqk) { return (Dqk + 255) / 256; }
 
-// grid x as fwd_moves; cluster (2, 1, 1) when MULTICAST (the token's two head blocks).
-// boxes = row boxes per row (box_cols columns each); rank = the CTA's rank in its pair.
+// grid x as fwd_moves; cluster (2, 1, 1) when MULTICAST (the token's two head blocks), rank =
+// the CTA's rank in its pair. Each row is row_boxes(Dqk) boxes of Dqk / row_boxes(Dqk) columns.
 template <bool MULTICAST>
 __global__ void __launch_bounds__(256) fwd_moves_tma(const __grid_constant__ CUtensorMap map,
                                                      const int* idx, int K, int P, int HB,
-                                                     int row_bytes, int boxes, int box_cols,
-                                                     int stages,
-                                                     uint4* out, uint4* sink) {
-  extern __shared__ __align__(1024) unsigned char ring_b[];  // 2 stages x BLOCK rows
-  __shared__ __align__(8) unsigned long long full[3];
-  const int cta = blockIdx.x;
-  const int p = (cta / HB) % P, t = cta / (HB * P);
+                                                     int Dqk, int stages, uint4* out,
+                                                     uint4* sink) {
+  extern __shared__ __align__(1024) unsigned char ring_b[];  // `stages` x BLOCK rows
+  __shared__ __align__(8) uint64_t full[3];
+  const Part part = cta_part(idx, K, P, HB);  // locals, not a binding: the lambda captures them
+  const int* list = part.list;
+  const int begin = part.begin, end = part.end, n_blocks = part.n_blocks;
   unsigned rank = 0;
   if (MULTICAST) asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-  const int per = (K + P - 1) / P;
-  const int begin = p * per, end = min(K, begin + per);
-  const int* list = idx + (size_t)t * K;
-  const int n_blocks = (end - begin + BLOCK - 1) / BLOCK;
+  const int boxes = row_boxes(Dqk), box_cols = Dqk / boxes, row_bytes = Dqk * 2;
   const int stage_bytes = BLOCK * row_bytes;
   if (threadIdx.x == 0) {
-    for (int i = 0; i < stages; ++i)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&full[i])));
+    for (int i = 0; i < stages; ++i) mbar_init(smem_u32(&full[i]), 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   asm volatile("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;"
@@ -118,15 +128,14 @@ __global__ void __launch_bounds__(256) fwd_moves_tma(const __grid_constant__ CUt
   auto issue = [&](int b) {
     const int valid = min(BLOCK, end - begin - b * BLOCK);
     const int s = b % stages;
-    if (threadIdx.x == 0)
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                   ::"r"(smem_u32(&full[s])), "r"(valid * row_bytes) : "memory");
+    if (threadIdx.x == 0) mbar_expect_tx(smem_u32(&full[s]), valid * row_bytes);
     const int lo = MULTICAST ? int(rank) * (BLOCK / 2) : 0;
     const int hi = MULTICAST ? lo + BLOCK / 2 : BLOCK;
     for (int r = lo + int(threadIdx.x); r < min(hi, valid); r += blockDim.x) {
       const int row = __ldg(list + begin + b * BLOCK + r);
       for (int j = 0; j < boxes; ++j) {
-        const unsigned dst = smem_u32(ring_b + s * stage_bytes + r * row_bytes + j * box_cols * 2);
+        const unsigned dst =
+            smem_u32(ring_b + s * stage_bytes + r * row_bytes + j * box_cols * 2);
         if (MULTICAST)
           asm volatile(
               "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
@@ -148,24 +157,17 @@ __global__ void __launch_bounds__(256) fwd_moves_tma(const __grid_constant__ CUt
     if (b >= 1)  // both CTAs have read block b - 1: its stage takes block b + stages - 1
       asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
     if (b + stages - 1 < n_blocks) issue(b + stages - 1);
-    const unsigned bar = smem_u32(&full[b % stages]), phase = (b / stages) & 1;
-    unsigned done = 0;
-    while (!done)
-      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;"
-                   " selp.u32 %0, 1, 0, p; }" : "=r"(done) : "r"(bar), "r"(phase) : "memory");
+    mbar_wait(smem_u32(&full[b % stages]), (b / stages) & 1);
     uint4 x = reinterpret_cast<const uint4*>(ring_b + (b % stages) * stage_bytes)[threadIdx.x];
     acc.x ^= x.x;
     asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
   }
   if (n_blocks > 0) asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-  uint4* o = out + (size_t)cta * (64 * D_V * 2 / 16);
-  for (int i = threadIdx.x; i < 64 * D_V * 2 / 16; i += blockDim.x)
-    o[i] = make_uint4(acc.x ^ i, 0, 0, 0);
-  if (acc.x == 0x12345678u) sink[0] = acc;
+  store_tile(acc, out, sink);
 }
 
-// kv [S, Dqk] bf16 as a 2-D tensor map with one-row boxes of box_cols columns
-static CUtensorMap row_map(const void* kv, int S, int Dqk, int box_cols) {
+// kv [S, Dqk] bf16 as a 2-D tensor map with one-row boxes of Dqk / row_boxes(Dqk) columns
+static CUtensorMap row_map(const void* kv, int S, int Dqk) {
   using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
                               const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
                               const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
@@ -173,13 +175,13 @@ static CUtensorMap row_map(const void* kv, int S, int Dqk, int box_cols) {
   static Encode encode = nullptr;
   if (!encode) {
     cudaDriverEntryPointQueryResult q;
-    cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode), 12000,
-                            cudaEnableDefault, &q);
+    cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode),
+                                     12000, cudaEnableDefault, &q);
   }
   CUtensorMap m;
   const cuuint64_t dims[2] = {cuuint64_t(Dqk), cuuint64_t(S)};
   const cuuint64_t strides[1] = {cuuint64_t(Dqk) * 2};
-  const cuuint32_t box[2] = {cuuint32_t(box_cols), 1};
+  const cuuint32_t box[2] = {cuuint32_t(Dqk / row_boxes(Dqk)), 1};
   const cuuint32_t elem[2] = {1, 1};
   CUresult r = encode(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(kv), dims,
                       strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -192,7 +194,6 @@ static CUtensorMap row_map(const void* kv, int S, int Dqk, int box_cols) {
 template <bool MULTICAST>
 static void launch_tma(const CUtensorMap& map, int ctas, const int* idx, int K, int P, int HB,
                        int Dqk, int stages, uint4* out, uint4* sink) {
-  const int boxes = (Dqk + 255) / 256, box_cols = Dqk / boxes;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(ctas);
   cfg.blockDim = dim3(256);
@@ -204,8 +205,8 @@ static void launch_tma(const CUtensorMap& map, int ctas, const int* idx, int K, 
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  cudaLaunchKernelEx(&cfg, fwd_moves_tma<MULTICAST>, map, idx, K, P, HB, Dqk * 2, boxes,
-                     box_cols, stages, out, sink);
+  cudaLaunchKernelEx(&cfg, fwd_moves_tma<MULTICAST>, map, idx, K, P, HB, Dqk, stages, out,
+                     sink);
 }
 
 struct Case {
@@ -277,9 +278,8 @@ int main() {
     const double gb = double(c.T) * c.HB * c.K * c.Dqk * 2 / 1e9;
     printf("%s: %5d CTAs, gather %.3f GB: %9.1f us (%.2f TB/s) | no gather (launch, stores) "
            "%7.1f us\n", c.name, ctas, gb, tg * 1e3, gb / tg, t0 * 1e3);
-    if (c.HB == 2) {  // the same grid through TMA row boxes: each CTA alone, then pairs multicasting
-      const int boxes = (c.Dqk + 255) / 256;
-      const CUtensorMap map = row_map(kv, c.S, c.Dqk, c.Dqk / boxes);
+    if (c.HB == 2) {  // the same grid through TMA row boxes: each CTA alone, then pairs
+      const CUtensorMap map = row_map(kv, c.S, c.Dqk);
       for (int stages : {2, 3}) {  // the ring's depth: 2 as the kernel, 3 shows latency vs rate
         for (int i = 0; i < 3; ++i)
           launch_tma<true>(map, ctas, idx, c.K, c.P, c.HB, c.Dqk, stages, out, sink);
