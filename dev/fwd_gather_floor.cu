@@ -11,6 +11,9 @@
 // rings (so L2 serves each row once per token), a cluster barrier per block frees a stage; ring
 // depth 2 (as the kernel) or 3. "TMA, no multicast" is the same kernel with each CTA loading all
 // its rows itself (the cost of the one-row TMA boxes alone).
+// "+ combine kernel": for a split (parts > 1) the same gathers and stores, then a kernel that
+// merges the parts as the split forward's combine does, timed as one call: the movement floor
+// of a split forward with a separate combine.
 // Lists: as examples/benchmark.py --long (the 128 positions ending at the token + distinct
 // uniform rows of [0, S)), tokens = the last T positions of S. Build and run:
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a dev/fwd_gather_floor.cu \
@@ -20,6 +23,7 @@
 #include <random>
 #include <vector>
 #include <cuda.h>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "mbarrier.cuh"
@@ -97,6 +101,38 @@ __global__ void __launch_bounds__(256) fwd_moves(const uint4* kv, const int* idx
   if (GATHER) cp_wait0();
   __syncthreads();
   store_tile(acc, out, sink);
+}
+
+// The split's combine alone, as fwd_combine does it: the P parts of each (token, head) row (bf16,
+// in the order fwd_moves wrote its tiles, 64 heads per tile) merged by their lse, 64 threads per
+// row, one 16-byte chunk each; lse_parts filled with zeros (every part valid). Launched right
+// after fwd_moves, the pair is the movement floor of a split forward with a combine kernel.
+__global__ void __launch_bounds__(256) combine_parts(const uint4* parts, const float* lse_parts,
+                                                     int P, int HB, uint4* out) {
+  const int row = blockIdx.x * 4 + threadIdx.x / 64, chunk = threadIdx.x % 64;  // row = t*H+h
+  const int H = 64 * HB, t = row / H, h = row % H;
+  float m = -INFINITY, w[16];
+  for (int p = 0; p < P; ++p) m = fmaxf(m, lse_parts[(t * P + p) * H + h]);
+  float l = 0.f, acc[8] = {};
+  for (int p = 0; p < P; ++p) {
+    w[p & 15] = __expf(lse_parts[(t * P + p) * H + h] - m);
+    l += w[p & 15];
+  }
+#pragma unroll 4
+  for (int p = 0; p < P; ++p) {
+    const size_t tile = (size_t)(t * P + p) * HB + h / 64;
+    const uint4 x = parts[(tile * 64 + h % 64) * 64 + chunk];
+    const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&x);
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __bfloat1622float2(v[j]);
+      acc[2 * j] += w[p & 15] * f.x;
+      acc[2 * j + 1] += w[p & 15] * f.y;
+    }
+  }
+  uint4 o;
+  __nv_bfloat162* ov = reinterpret_cast<__nv_bfloat162*>(&o);
+  for (int j = 0; j < 4; ++j) ov[j] = __floats2bfloat162_rn(acc[2 * j] / l, acc[2 * j + 1] / l);
+  out[(size_t)row * 64 + chunk] = o;
 }
 
 // Row boxes per kv row: the fewest boxes of at most 256 columns (a TMA box's limit).
@@ -278,6 +314,22 @@ int main() {
     const double gb = double(c.T) * c.HB * c.K * c.Dqk * 2 / 1e9;
     printf("%s: %5d CTAs, gather %.3f GB: %9.1f us (%.2f TB/s) | no gather (launch, stores) "
            "%7.1f us\n", c.name, ctas, gb, tg * 1e3, gb / tg, t0 * 1e3);
+    if (c.P > 1) {  // a split: the gathers and stores, then the combine kernel, as one call
+      const int rows = c.T * 64 * c.HB;
+      float* lse_parts;
+      uint4* o;
+      cudaMalloc(&lse_parts, (size_t)rows * c.P * 4);
+      cudaMemset(lse_parts, 0, (size_t)rows * c.P * 4);
+      cudaMalloc(&o, (size_t)rows * D_V * 2);
+      auto combine = [&] { combine_parts<<<rows / 4, 256>>>(out, lse_parts, c.P, c.HB, o); };
+      const float tc = median_ms(combine, reps);
+      const float tgc = median_ms([&] { run(true); combine(); }, reps);
+      printf("%*s  + combine kernel (%d parts, %.1f MB): combine alone %6.1f us | gathers, stores "
+             "and combine %7.1f us | %s\n", 30, "", c.P, rows * c.P * 1024 / 1e6, tc * 1e3,
+             tgc * 1e3, cudaGetErrorString(cudaGetLastError()));
+      cudaFree(lse_parts);
+      cudaFree(o);
+    }
     if (c.HB == 2) {  // the same grid through TMA row boxes: each CTA alone, then pairs
       const CUtensorMap map = row_map(kv, c.S, c.Dqk);
       for (int stages : {2, 3}) {  // the ring's depth: 2 as the kernel, 3 shows latency vs rate

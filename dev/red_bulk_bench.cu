@@ -10,8 +10,10 @@
 // (S 64K: a 128 MB accumulator)? With arguments (T K D S ...) it also gives the RED stream's
 // time alone at a benchmark shape: the floor of a backward that adds each entry `dup` times.
 //   nvcc -O3 -std=c++17 -arch=sm_90a dev/red_bulk_bench.cu -o build/rbb && build/rbb [T K D S]...
+// `build/rbb floor T K D S DUP ...` times the backward's gathers and REDs alone and together.
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 #include <cuda_runtime.h>
 
@@ -100,6 +102,91 @@ __global__ void scatter_bulk(float* dkv, const int* idx, int K, int dup) {
   if (t < 64) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
+// The backward's data movement alone, no MMA: each CTA (token, copy) gathers its list's bf16 kv
+// rows (D * 2 bytes each) and adds one fp32 dkv row (today's 4 x 128 B RED form) per entry, and
+// reads its 64 heads' Q and dO (D + 512 columns, bf16) and writes their dQ (D, bf16) once.
+// GATHER / RED select the streams; 4 warps, up to 16 CTAs per SM (more in flight than the
+// backward's one CTA per SM): with both, a floor for a backward that moves these bytes.
+template <int D, bool GATHER, bool RED>
+__global__ void __launch_bounds__(128) move_floor(const uint4* kv, float* dkv, const int* idx,
+                                                  int K, int dup, const uint4* qdo, uint4* dq,
+                                                  uint4* sink) {
+  constexpr int CH = D * 2 / 16;  // 16-byte chunks per bf16 row
+  const int t = blockIdx.x / dup;
+  const int* list = idx + (size_t)t * K;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  uint4 acc = make_uint4(0, 0, 0, 0);
+  const uint4* q = qdo + (size_t)t * 64 * (CH + 64);  // the token's Q and dO, 64 heads
+  for (int i = threadIdx.x; i < 64 * (CH + 64); i += 128) acc.x ^= __ldcg(q + i).x;
+  const float4 v = make_float4(1.f, 1.f, 1.f, 1.f);
+  for (int blk = 0; blk < K; blk += 64) {
+    if (GATHER) {  // the warp's 16 rows, lanes over their chunks
+#pragma unroll 4
+      for (int i = lane; i < 16 * CH; i += 32) {
+        const int r = blk + warp * 16 + i / CH;
+        const int row = r < K ? list[r] : -1;
+        if (row >= 0) acc.y ^= __ldcg(kv + (size_t)row * CH + i % CH).y;
+      }
+    }
+    if (RED) {
+#pragma unroll 1
+      for (int c = 0; c < D; c += 64) {
+#pragma unroll
+        for (int rr = 0; rr < 16; rr += 4) {
+          const int r = blk + warp * 16 + rr + lane / 8;
+          const int row = r < K ? list[r] : -1;
+          if (row >= 0)
+            for (int half = 0; half < 2; ++half)
+              red_v4(dkv + (size_t)row * D + c + half * 32 + (lane % 8) * 4, v);
+        }
+      }
+    }
+  }
+  uint4* o = dq + (size_t)blockIdx.x * 64 * CH;
+  for (int i = threadIdx.x; i < 64 * CH; i += 128) o[i] = make_uint4(acc.x ^ i, acc.y, 0, 0);
+  if (acc.x == 0x12345678u && acc.y == 0x9abcdefu) sink[0] = acc;
+}
+
+// The movement floor at a benchmark shape: T tokens of K entries at the end of S, dup CTAs per
+// token (2 at H = 128).
+template <int D>
+void measure_floor(int T, int K, int S, int dup) {
+  constexpr int CH = D * 2 / 16;
+  const int window = 128;
+  std::vector<int> h((size_t)T * K);
+  srand(1);
+  for (int t = 0; t < T; ++t) {
+    int pos = S - T + t;
+    for (int j = 0; j < K; ++j)
+      h[(size_t)t * K + j] = j < window ? pos - window + 1 + j : rand() % S;
+  }
+  int* idx;
+  float* dkv;
+  uint4 *kv, *qdo, *dq, *sink;
+  cudaMalloc(&idx, h.size() * 4);
+  cudaMemcpy(idx, h.data(), h.size() * 4, cudaMemcpyHostToDevice);
+  cudaMalloc(&dkv, (size_t)S * D * 4);
+  cudaMemset(dkv, 0, (size_t)S * D * 4);
+  cudaMalloc(&kv, (size_t)S * CH * 16);
+  cudaMemset(kv, 0x3f, (size_t)S * CH * 16);
+  cudaMalloc(&qdo, (size_t)T * 64 * (CH + 64) * 16);
+  cudaMemset(qdo, 0x3f, (size_t)T * 64 * (CH + 64) * 16);
+  cudaMalloc(&dq, (size_t)T * dup * 64 * CH * 16);
+  cudaMalloc(&sink, 16);
+  const int ctas = T * dup;
+  auto args = [&](auto kernel) { kernel<<<ctas, 128>>>(kv, dkv, idx, K, dup, qdo, dq, sink); };
+  for (int i = 0; i < 2; ++i) args(move_floor<D, true, true>);
+  const float tg = median_ms([&] { args(move_floor<D, true, false>); }, 5);
+  const float tr = median_ms([&] { args(move_floor<D, false, true>); }, 5);
+  const float tb = median_ms([&] { args(move_floor<D, true, true>); }, 5);
+  const double g_gb = (double)ctas * K * D * 2 / 1e9, r_gb = (double)ctas * K * D * 4 / 1e9;
+  printf("floor T %d K %d D %d S %6d, %d CTAs per token: gathers %.1f GB %.3f ms | REDs %.1f GB "
+         "%.3f ms | both %.3f ms (%.2f TB/s) | %s\n", T, K, D, S, dup, g_gb, tg, r_gb, tr, tb,
+         (g_gb + r_gb) / tb, cudaGetErrorString(cudaGetLastError()));
+  for (void* p : {(void*)idx, (void*)dkv, (void*)kv, (void*)qdo, (void*)dq, (void*)sink})
+    cudaFree(p);
+}
+
 template <int D>
 void measure(int T, int K, int S, bool check) {
   const int window = 128;
@@ -148,7 +235,18 @@ void measure(int T, int K, int S, bool check) {
 
 // Arguments: T K D S (D 512 or 576), several groups of four; default: the 1024-token check
 // at S 4K and 64K.
+// `floor T K D S DUP ...`: the movement floor (groups of five).
 int main(int argc, char** argv) {
+  setvbuf(stdout, nullptr, _IONBF, 0);
+  if (argc > 1 && std::string(argv[1]) == "floor") {
+    for (int a = 2; a + 4 < argc; a += 5) {
+      int T = atoi(argv[a]), K = atoi(argv[a + 1]), D = atoi(argv[a + 2]), S = atoi(argv[a + 3]);
+      int dup = atoi(argv[a + 4]);
+      if (D == 576) measure_floor<576>(T, K, S, dup);
+      else measure_floor<512>(T, K, S, dup);
+    }
+    return 0;
+  }
   if (argc < 5) {
     measure<512>(1024, 1152, 4096, true);
     measure<512>(1024, 1152, 65536, true);
