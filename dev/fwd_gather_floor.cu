@@ -17,10 +17,11 @@
 // Lists: as examples/benchmark.py --long (the 128 positions ending at the token + distinct
 // uniform rows of [0, S)), tokens = the last T positions of S. Build and run:
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a dev/fwd_gather_floor.cu \
-//     -o build/fgf && build/fgf
+//     -o build/fgf && build/fgf [decode]
 #include <algorithm>
 #include <cstdio>
 #include <random>
+#include <string>
 #include <vector>
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -245,12 +246,20 @@ static void launch_tma(const CUtensorMap& map, int ctas, const int* idx, int K, 
                      sink);
 }
 
+// Per call of `calls` back-to-back launches between two events (median of 5): each launch
+// overlaps the previous one's tail, as calls inside one jitted program do; median_ms times one
+// launch alone, with its launch latency.
+template <class Launch>
+float per_call_ms(Launch launch, int calls = 20) {
+  return median_ms([&] { for (int i = 0; i < calls; ++i) launch(); }, 5) / calls;
+}
+
 struct Case {
   const char* name;
   int T, S, K, Dqk, P, HB;
 };
 
-int main() {
+int main(int argc, char** argv) {  // `fgf decode`: the decode cases only
   setvbuf(stdout, nullptr, _IONBF, 0);  // each line out as it comes (a hang is killed by timeout)
   const Case cases[] = {
       {"decode 8 tok,  8 parts, hb 2 (today)", 8, 65536, 2048, 576, 8, 2},
@@ -274,7 +283,9 @@ int main() {
   int dev_l2 = 0;
   cudaDeviceGetAttribute(&dev_l2, cudaDevAttrL2CacheSize, 0);
   printf("L2 %d MB; one CTA per SM (%d KB shared), 256 threads\n", dev_l2 >> 20, SMEM_BYTES >> 10);
+  const bool decode_only = argc > 1 && std::string(argv[1]) == "decode";
   for (const Case& c : cases) {
+    if (decode_only && c.T >= 4096) continue;
     std::vector<int> h((size_t)c.T * c.K);
     std::vector<char> used(c.S);
     for (int t = 0; t < c.T; ++t) {
@@ -314,6 +325,9 @@ int main() {
     const double gb = double(c.T) * c.HB * c.K * c.Dqk * 2 / 1e9;
     printf("%s: %5d CTAs, gather %.3f GB: %9.1f us (%.2f TB/s) | no gather (launch, stores) "
            "%7.1f us\n", c.name, ctas, gb, tg * 1e3, gb / tg, t0 * 1e3);
+    if (c.T < 4096)
+      printf("%*s  back to back: gather %7.1f us | no gather %7.1f us\n", 30, "",
+             per_call_ms([&] { run(true); }) * 1e3, per_call_ms([&] { run(false); }) * 1e3);
     if (c.P > 1) {  // a split: the gathers and stores, then the combine kernel, as one call
       const int rows = c.T * 64 * c.HB;
       float* lse_parts;
@@ -325,8 +339,10 @@ int main() {
       const float tc = median_ms(combine, reps);
       const float tgc = median_ms([&] { run(true); combine(); }, reps);
       printf("%*s  + combine kernel (%d parts, %.1f MB): combine alone %6.1f us | gathers, stores "
-             "and combine %7.1f us | %s\n", 30, "", c.P, rows * c.P * 1024 / 1e6, tc * 1e3,
-             tgc * 1e3, cudaGetErrorString(cudaGetLastError()));
+             "and combine %7.1f us | back to back: combine %6.1f us, all %7.1f us | %s\n", 30,
+             "", c.P, rows * c.P * 1024 / 1e6, tc * 1e3, tgc * 1e3, per_call_ms(combine) * 1e3,
+             per_call_ms([&] { run(true); combine(); }) * 1e3,
+             cudaGetErrorString(cudaGetLastError()));
       cudaFree(lse_parts);
       cudaFree(o);
     }

@@ -105,8 +105,9 @@ __global__ void scatter_bulk(float* dkv, const int* idx, int K, int dup) {
 // The backward's data movement alone, no MMA: each CTA (token, copy) gathers its list's bf16 kv
 // rows (D * 2 bytes each) and adds one fp32 dkv row (today's 4 x 128 B RED form) per entry, and
 // reads its 64 heads' Q and dO (D + 512 columns, bf16) and writes their dQ (D, bf16) once.
-// GATHER / RED select the streams; 4 warps, up to 16 CTAs per SM (more in flight than the
-// backward's one CTA per SM): with both, a floor for a backward that moves these bytes.
+// GATHER / RED select the streams; 4 warps per CTA, at full occupancy (up to 16 CTAs per SM,
+// more in flight than the backward's one CTA per SM) and at 2 CTAs per SM (8 warps issuing, as
+// the backward's two consumer warpgroups). Past L2 more REDs in flight can be slower.
 template <int D, bool GATHER, bool RED>
 __global__ void __launch_bounds__(128) move_floor(const uint4* kv, float* dkv, const int* idx,
                                                   int K, int dup, const uint4* qdo, uint4* dq,
@@ -174,15 +175,23 @@ void measure_floor(int T, int K, int S, int dup) {
   cudaMalloc(&dq, (size_t)T * dup * 64 * CH * 16);
   cudaMalloc(&sink, 16);
   const int ctas = T * dup;
-  auto args = [&](auto kernel) { kernel<<<ctas, 128>>>(kv, dkv, idx, K, dup, qdo, dq, sink); };
-  for (int i = 0; i < 2; ++i) args(move_floor<D, true, true>);
-  const float tg = median_ms([&] { args(move_floor<D, true, false>); }, 5);
-  const float tr = median_ms([&] { args(move_floor<D, false, true>); }, 5);
-  const float tb = median_ms([&] { args(move_floor<D, true, true>); }, 5);
   const double g_gb = (double)ctas * K * D * 2 / 1e9, r_gb = (double)ctas * K * D * 4 / 1e9;
-  printf("floor T %d K %d D %d S %6d, %d CTAs per token: gathers %.1f GB %.3f ms | REDs %.1f GB "
-         "%.3f ms | both %.3f ms (%.2f TB/s) | %s\n", T, K, D, S, dup, g_gb, tg, r_gb, tr, tb,
-         (g_gb + r_gb) / tb, cudaGetErrorString(cudaGetLastError()));
+  // full occupancy (up to 16 CTAs per SM), then 2 CTAs per SM (100 KB of unused shared memory
+  // each): 8 warps issuing, as the backward's two consumer warpgroups
+  for (int smem : {0, 100 * 1024}) {
+    auto args = [&](auto kernel) {
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      kernel<<<ctas, 128, smem>>>(kv, dkv, idx, K, dup, qdo, dq, sink);
+    };
+    for (int i = 0; i < 2; ++i) args(move_floor<D, true, true>);
+    const float tg = median_ms([&] { args(move_floor<D, true, false>); }, 5);
+    const float tr = median_ms([&] { args(move_floor<D, false, true>); }, 5);
+    const float tb = median_ms([&] { args(move_floor<D, true, true>); }, 5);
+    printf("floor T %d K %d D %d S %6d, %d CTAs per token, %s: gathers %.1f GB %.3f ms | REDs "
+           "%.1f GB %.3f ms | both %.3f ms (%.2f TB/s) | %s\n", T, K, D, S, dup,
+           smem ? "8 warps per SM " : "full occupancy", g_gb, tg, r_gb, tr, tb,
+           (g_gb + r_gb) / tb, cudaGetErrorString(cudaGetLastError()));
+  }
   for (void* p : {(void*)idx, (void*)dkv, (void*)kv, (void*)qdo, (void*)dq, (void*)sink})
     cudaFree(p);
 }
