@@ -35,7 +35,7 @@ print("memcheck case done")
 
 # The decode path: each token's list split into parts (ragged last part, parts past
 # topk_length), by default (B = 4 tokens, H = 128, K = 600 -> 2 parts) and pinned (3 parts).
-from jax_dsa.cute import Config, FwdConfig  # noqa: E402
+from jax_dsa.cute import BwdConfig, Config, FwdConfig  # noqa: E402
 for h, d, splits, k in ((128, 576, None, 600), (100, 512, 3, 600), (17, 576, 3, 600),
                         (64, 512, 8, 5)):  # 8 parts of one entry, 3 of them empty
     b, s = 4, 37
@@ -108,18 +108,21 @@ for h, d, det, t in ((100, 576, False, 5), (100, 512, False, 5), (17, 512, False
     jax.block_until_ready(grads)
     print(f"backward H={h} Dqk={d} deterministic={det}: ok")
 # dkv past LONG_DKV_MIN_BYTES: the long-context builds (plain and grouped), rows on both sides
-# of [0, S)
-for h, t, d in ((64, 5, 512), (100, 3, 512), (16, 8, 512), (128, 3, 576), (16, 8, 576)):
+# of [0, S); the plain ones sort each token's rows first by default (BwdConfig.sort_rows), the
+# last runs them as given
+for h, t, d, sort_rows in ((64, 5, 512, None), (100, 3, 512, None), (16, 8, 512, None),
+                           (128, 3, 576, None), (16, 8, 576, None), (64, 5, 512, False)):
     s = 33000
+    config = None if sort_rows is None else Config(bwd=BwdConfig(sort_rows=sort_rows))
     q = jnp.asarray(rng.standard_normal((1, t, h, d)), jnp.bfloat16)
     kv = jnp.asarray(rng.standard_normal((1, s, d)), jnp.bfloat16)
     idx = jnp.asarray(rng.integers(-40, s + 40, (1, t, 70)).astype(np.int32))
     tl = jnp.asarray(rng.integers(0, 71, (1, t)).astype(np.int32))
     grads = jax.grad(lambda q, kv: jnp.sum(jax_dsa.sparse_mla(
-        q, kv, idx, sink=jnp.zeros(h), topk_length=tl,
-        implementation="cute").astype(jnp.float32) ** 2), argnums=(0, 1))(q, kv)
+        q, kv, idx, sink=jnp.zeros(h), topk_length=tl, implementation="cute",
+        config=config).astype(jnp.float32) ** 2), argnums=(0, 1))(q, kv)
     jax.block_until_ready(grads)
-    print(f"backward H={h} Dqk={d} S={s} (long-context build): ok")
+    print(f"backward H={h} Dqk={d} S={s} sort_rows={sort_rows} (long-context build): ok")
 print("backward memcheck case done")
 
 # The indexer's score kernel: S not a multiple of the 256-row tile, Hi < 64, tokens before the

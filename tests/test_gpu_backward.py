@@ -115,6 +115,26 @@ def test_plain_backward_at_small_h_through_config(case):
     _check_kernel_gradients(case, Config(bwd=BwdConfig(group=1)))
 
 
+# Each token's rows in ascending order (BwdConfig.sort_rows; the default where dkv outgrows the
+# L2, so the `_long` CASES above run sorted) pinned on at small S (duplicates, invalid entries,
+# partial lengths, a grouped-by-default H run plain) and off past the L2 (the lists as given).
+SORT_CASES = [
+    ((1, 8, 128, 512, 100, 640, False, "partial"), True),
+    ((3, 4, 8, 576, 500, 200, True, "partial"), True),
+    ((2, 4, 100, 512, 900, 1152, True, "none"), True),
+    ((1, 8, 64, 512, 40000, 640, True, "partial"), False),
+    ((1, 8, 128, 576, 33000, 2048, True, "partial"), False),
+]
+
+
+@pytest.mark.parametrize("case,sort_rows", SORT_CASES,
+                         ids=lambda c: _case_id(c) if isinstance(c, tuple) else f"sort{c}")
+def test_backward_rows_sorted_or_as_given_through_config(case, sort_rows):
+    b, t, h, d, s, k = case[:6]
+    assert kernel_config.select((b, t, h, d), k, s).bwd.sort_rows == (b * s * d * 4 >= 64 << 20)
+    _check_kernel_gradients(case, Config(bwd=BwdConfig(sort_rows=sort_rows)))
+
+
 def _check_kernel_gradients(case, config=None):
     _kernel_or_skip()
     b, t, h, d, s, k, sink, topk = case
@@ -136,19 +156,22 @@ def _check_kernel_gradients(case, config=None):
 
 @pytest.mark.parametrize("h,d", [(24, 576), (100, 512), (16, 512)],
                          ids=["H24D576", "H100D512", "H16D512"])
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_backward_never_writes_outside_valid_rows(deterministic, h, d):
+@pytest.mark.parametrize("mode", ["atomic", "deterministic", "sorted"])
+def test_backward_never_writes_outside_valid_rows(mode, h, d):
     """Batches 0 and 2 select nothing, batch 1 lists -1, -S, S, S + 7 next to valid rows: a write
     at an invalid row of batch 1 would land in batch 0's last or batch 2's first rows (flat
     layout), which must stay exactly zero; rows of batch 1 never listed must stay zero too.
     Deterministic: a workspace of 4 tokens at H=24, Dqk 576 (18 tokens in 5 chunks) and of 2 at
     H=100, Dqk 512 (two head blocks, each adding to the same rows: 9 chunks). H=16 runs 8 tokens
-    per batch, so the atomic backward runs grouped (4 tokens per union)."""
+    per batch, so the atomic backward runs grouped (4 tokens per union); "sorted" runs the plain
+    backward with each token's rows sorted first (BwdConfig.sort_rows)."""
+    deterministic = mode == "deterministic"
     _kernel_or_skip(deterministic)
-    config = Config(bwd=BwdConfig(workspace_bytes=4 * 70 * 576 * 4)) if deterministic else None
+    config = {"atomic": None, "sorted": Config(bwd=BwdConfig(sort_rows=True)),
+              "deterministic": Config(bwd=BwdConfig(workspace_bytes=4 * 70 * 576 * 4))}[mode]
     rng = np.random.default_rng(5)
     b, t, s, k = 3, 8 if h == 16 else 6, 40, 70
-    if h == 16 and not deterministic:
+    if h == 16 and mode == "atomic":
         assert kernel_config.select((b, t, h, d), k, s).bwd.group == 4, "not run grouped"
     p = make_problem(rng, b, t, h, d, s, k, sink=True, topk="full", dead_row=False)
     p.idx[1] = rng.integers(10, 30, (t, k))

@@ -173,6 +173,40 @@ def test_pinned_backward_config_that_cannot_run_raises(bwd, h, t, k, s, determin
                               deterministic)
 
 
+@pytest.mark.parametrize("b,h,d,k,s,deterministic,want", [
+    (1, 64, 512, 640, 65536, False, True),    # dkv 128 MB: past the L2
+    (1, 128, 576, 2048, 131072, False, True),
+    (4, 128, 512, 1152, 8192, False, True),   # the batch's dkv together: 64 MB
+    (1, 128, 576, 2048, 8192, False, False),  # 18 MB: in the L2
+    (1, 64, 512, 640, 65536, True, False),    # deterministic: entries sorted its own way
+    (1, 16, 512, 640, 65536, False, False),   # grouped
+])
+def test_backward_sorts_rows_where_dkv_outgrows_the_l2(b, h, d, k, s, deterministic, want):
+    cfg = kernel_config.select((b, 4096, h, d), k, s, deterministic=deterministic)
+    assert cfg.bwd.sort_rows == want
+    assert kernel_config.resolve(None, (b, 4096, h, d), k, s, deterministic) == cfg
+
+
+def test_rows_ascending_keeps_the_valid_rows():
+    """kernel.rows_ascending (BwdConfig.sort_rows): per token the valid rows (0 <= row < S,
+    slot < topk_length) in ascending order, duplicates kept, then S for the rest, and their
+    count as the new length."""
+    from jax_dsa.cute.kernel import rows_ascending
+    rng = np.random.default_rng()
+    b, t, k, s = 2, 9, 37, 20
+    idx = rng.integers(-5, s + 5, (b, t, k)).astype(np.int32)
+    lengths = rng.integers(0, k + 3, (b, t)).astype(np.int32)
+    lengths[0, 0] = 0
+    rows, count = (np.asarray(x) for x in rows_ascending(jnp.asarray(idx), jnp.asarray(lengths), s))
+    for i in range(b):
+        for j in range(t):
+            head = idx[i, j, :lengths[i, j]]
+            want = np.sort(head[(head >= 0) & (head < s)])
+            assert count[i, j] == want.size
+            np.testing.assert_array_equal(rows[i, j, :want.size], want)
+            assert np.all(rows[i, j, want.size:] == s)
+
+
 def test_config_fields_are_checked():
     from jax_dsa.cute import FwdConfig
     with pytest.raises(ValueError, match="FwdConfig.kernel"):
@@ -181,6 +215,10 @@ def test_config_fields_are_checked():
         BwdConfig(group=3)
     with pytest.raises(ValueError, match="BwdConfig.union"):
         BwdConfig(union="cpu")
+    with pytest.raises(TypeError, match="BwdConfig.sort_rows"):
+        BwdConfig(sort_rows=1)
+    with pytest.raises(ValueError, match="BwdConfig.sort_rows"):
+        BwdConfig(group=4, sort_rows=True)
     with pytest.raises(TypeError, match="Config.bwd"):
         Config(bwd=FwdConfig())
     with pytest.raises(TypeError, match="config must be"):

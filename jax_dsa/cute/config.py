@@ -58,11 +58,15 @@ class FwdConfig:
 @dataclasses.dataclass(frozen=True)
 class BwdConfig:
     """The backward: tokens per 64-row tile (`group`: 1, or 2 / 4 / 8 with H * group = 64),
-    where a grouped call's list union is computed (`union`), and the deterministic backward's
-    workspace bound in bytes (`workspace_bytes`)."""
+    where a grouped call's list union is computed (`union`), the deterministic backward's
+    workspace bound in bytes (`workspace_bytes`), and whether the plain backward (group 1, not
+    deterministic) walks each token's valid rows in ascending order (`sort_rows`: XLA sorts the
+    lists first, the invalid entries go last and topk_length becomes the valid count; the dkv
+    REDs that miss L2 then land on nearby rows, which pays once dkv outgrows the L2)."""
     group: int = 1
     union: str = "kernel"
     workspace_bytes: int = DET_WORKSPACE_BYTES
+    sort_rows: bool = False
 
     def __post_init__(self):
         if self.group not in (1,) + constants.GROUPS:
@@ -74,6 +78,11 @@ class BwdConfig:
                 or self.workspace_bytes < 1):
             raise ValueError("BwdConfig.workspace_bytes must be a positive int; "
                              f"got {self.workspace_bytes!r}")
+        if not isinstance(self.sort_rows, bool):
+            raise TypeError(f"BwdConfig.sort_rows must be a bool; got {self.sort_rows!r}")
+        if self.sort_rows and self.group != 1:
+            raise ValueError("BwdConfig.sort_rows applies to the plain backward (group=1); "
+                             f"got group={self.group}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,13 +132,16 @@ def select_bwd(q_shape, k: int, num_kv_rows: int, deterministic: bool = False) -
     """The backward for q [B, T, H, D] (per device) and K entries per token: grouped by
     G = 64 / H at H = 32, 16 and 8 when the call can run grouped and the list-union kernel takes
     G * K entries (the tokens' lists overlap in the window, so the union carries fewer rows
-    than the lists and the dkv atomics, the small-H backward's floor, shrink with it)."""
-    h = q_shape[2]
+    than the lists and the dkv atomics, the small-H backward's floor, shrink with it); else the
+    plain backward, with its rows sorted (`sort_rows`) when the fp32 dkv (B * S * D * 4 bytes)
+    holds at least LONG_DKV_MIN_BYTES, as the kernels' `_long` builds."""
+    b, _, h, d = q_shape
     group = 64 // h if h in (8, 16, 32) else 1
     if (group > 1 and not grouping_problem(q_shape, num_kv_rows, group, deterministic)
             and group * k <= constants.UNION_CAPACITY):
         return BwdConfig(group=group)
-    return BwdConfig()
+    long_dkv = b * num_kv_rows * d * 4 >= constants.LONG_DKV_MIN_BYTES
+    return BwdConfig(sort_rows=long_dkv and not deterministic)
 
 
 def select(q_shape, k: int, num_kv_rows: int, *, deterministic: bool = False) -> Config:

@@ -46,9 +46,22 @@ def backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale, config: 
         dq, dkv, delta = _grouped_backward(q, kv, idx, topk_length, lse, do, o, coef,
                                            scale=scale, group=bwd.group, union=bwd.union)
     else:
+        if bwd.sort_rows:
+            idx, topk_length = rows_ascending(idx, topk_length, kv.shape[1])
         dq, dkv, delta = ffi.sparse_mla_bwd(q, kv, idx, topk_length, lse, do, o, coef,
                                             scale=scale)
     return dq, dkv, _dsink(sink, sink_share, delta)
+
+
+def rows_ascending(idx, topk_length, num_kv_rows: int):
+    """Each token's list as its valid rows in ascending order followed by its invalid entries
+    (as row `num_kv_rows`, itself invalid), and the valid count as topk_length: the same
+    multiset of valid rows, so the same sums up to fp32 rounding (BwdConfig.sort_rows)."""
+    k = idx.shape[-1]
+    slot = jnp.arange(k, dtype=jnp.int32)
+    valid = (idx >= 0) & (idx < num_kv_rows) & (slot < topk_length[..., None])
+    rows = jnp.sort(jnp.where(valid, idx, jnp.int32(num_kv_rows)), axis=-1)
+    return rows, jnp.sum(valid, axis=-1, dtype=jnp.int32)
 
 
 def _coef(sink, lse, dlse):

@@ -1,0 +1,107 @@
+"""Does the order of each token's list change the backward's time at long context?
+
+    python dev/list_order_bench.py [--shapes "V4-Flash S=64K,V4-Pro S=64K"] [--batch-ms 1500]
+
+The backward adds every entry's fp32 dkv row with a RED; past L2 (S 64K-128K) a RED that misses
+L2 costs HBM traffic. The order of a token's entries does not change the result (up to fp32
+rounding of the sums), only which rows the CTAs running at the same time touch. Orders timed
+(examples/benchmark.py --long inputs and bwd pass, same timing):
+  given    the benchmark's lists (the 128-row window, then uniform random rows);
+  sorted   each list in ascending row order;
+  phased   sorted, then rotated so that the CTAs resident at one time walk the same rows: token t
+           starts at block (-t * blocks / resident_tokens) mod blocks, resident_tokens = the
+           number of SMs / CTAs per token (CTAs start one after another in token order).
+  zigzag   sorted, every other token in descending order.
+Each runs with the lists' order pinned (BwdConfig(sort_rows=False)); then "library" = the given
+lists with the default config, which sorts them inside the call where dkv outgrows the L2
+(BwdConfig.sort_rows), and "sort alone" = that sort (jax_dsa.cute.kernel.rows_ascending) by
+itself; last the forward with the lists given and sorted. Prints the median time per call of
+each and the largest dkv difference against `given`.
+"""
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+import benchmark  # noqa: E402
+
+import jax_dsa  # noqa: E402
+from jax_dsa.cute import BwdConfig, Config  # noqa: E402
+from jax_dsa.cute.kernel import rows_ascending  # noqa: E402
+
+
+def orders(idx, heads, sms):
+    idx = np.asarray(idx)
+    B, T, K = idx.shape
+    srt = np.sort(idx, axis=2)
+    blocks = -(-K // 64)
+    resident = max(1, sms // (1 if heads <= 64 else 2))
+    phased = np.empty_like(srt)
+    for t in range(T):
+        shift = ((-t * blocks) // resident) % blocks * 64
+        phased[:, t] = np.roll(srt[:, t], -shift, axis=1)
+    zigzag = srt.copy()
+    zigzag[:, 1::2] = srt[:, 1::2, ::-1]
+    return {"given": idx, "sorted": srt, "phased": phased, "zigzag": zigzag}
+
+
+def bwd_fn(config):
+    """examples/benchmark.py's bwd pass with `config`: (jitted backward, its arguments)."""
+    def fwd(q, kv, idx, sink):
+        return jax_dsa.sparse_mla(q, kv, idx, sink=sink, return_lse=True, implementation="cute",
+                                  config=config)
+
+    def prep(q, kv, idx, sink):
+        (o, lse), vjp_fn = jax.vjp(lambda q, kv, sink: fwd(q, kv, idx, sink), q, kv, sink)
+        do = jax.random.normal(jax.random.PRNGKey(7), o.shape, jnp.float32).astype(o.dtype)
+        return vjp_fn, (do, jnp.zeros_like(lse))
+
+    return jax.jit(lambda vjp_fn, cotangents: vjp_fn(cotangents)), prep
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="V4-Flash S=64K,V4-Pro S=64K,V3.2 S=128K")
+    ap.add_argument("--batch-ms", type=float, default=1500.0)
+    ap.add_argument("--batches", type=int, default=3)
+    args = ap.parse_args()
+    dev = jax.devices()[0]
+    sms = getattr(dev, "core_count", 132) or 132
+    print(f"jax {jax.__version__}, {dev.device_kind}, {sms} SMs")
+    pinned = bwd_fn(Config(bwd=BwdConfig(sort_rows=False)))
+    default = bwd_fn(None)
+    for label, h, topk, tokens, seq, d, batch in benchmark.LONG:
+        if label not in args.shapes.split(","):
+            continue
+        q, kv, idx, sink, _ = benchmark.make_inputs(h, topk, tokens, seq, d, batch)
+        ref = None
+        runs = [(name, pinned, ordered) for name, ordered in orders(idx, h, sms).items()]
+        for name, (fn, prep), ordered in runs + [("library", default, idx)]:
+            fargs = prep(q, kv, jnp.asarray(ordered), sink)
+            us = benchmark.time_call(fn, fargs, 10, args.batches, args.batch_ms) * 1e6
+            dkv = np.asarray(fn(*fargs)[1], np.float32)
+            if ref is None:
+                ref, diff = dkv, 0.0
+            else:
+                diff = float(np.max(np.abs(dkv - ref)) / np.max(np.abs(ref)))
+            print(f"{label:16s} {name:7s} bwd {us:9.1f} us   dkv max diff vs given {diff:.2e}",
+                  flush=True)
+        fwd = jax.jit(lambda q, kv, idx, sink: jax_dsa.sparse_mla(
+            q, kv, idx, sink=sink, return_lse=True, implementation="cute"))
+        for name in ("given", "sorted"):
+            ordered = jnp.asarray(orders(idx, h, sms)[name])
+            us = benchmark.time_call(fwd, (q, kv, ordered, sink), 10, args.batches,
+                                     args.batch_ms) * 1e6
+            print(f"{label:16s} {name:7s} fwd {us:9.1f} us", flush=True)
+        sort = jax.jit(lambda i, n: rows_ascending(i, n, seq))
+        length = jnp.full(idx.shape[:2], idx.shape[2], jnp.int32)
+        us = benchmark.time_call(sort, (idx, length), 10, args.batches, 200.0) * 1e6
+        print(f"{label:16s} sort alone {us:9.1f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
