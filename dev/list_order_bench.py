@@ -11,7 +11,10 @@ rounding of the sums), only which rows the CTAs running at the same time touch. 
   phased   sorted, then rotated so that the CTAs resident at one time walk the same rows: token t
            starts at block (-t * blocks / resident_tokens) mod blocks, resident_tokens = the
            number of SMs / CTAs per token (CTAs start one after another in token order).
-  zigzag   sorted, every other token in descending order.
+  zigzag   sorted, every other token in descending order;
+  bucketed ordered by row // (S / 127) only, the given order within a bucket (what a one-pass
+           bucket sort gives: enough for the REDs' locality if the blocks are wider than a
+           bucket).
 Each runs with the lists' order pinned (BwdConfig(sort_rows=False)); then "library" = the given
 lists with the default config, which sorts them inside the call where dkv outgrows the L2
 (BwdConfig.sort_rows), and "sort alone" = that sort (jax_dsa.cute.kernel.rows_ascending) by
@@ -46,7 +49,12 @@ def orders(idx, heads, sms):
         phased[:, t] = np.roll(srt[:, t], -shift, axis=1)
     zigzag = srt.copy()
     zigzag[:, 1::2] = srt[:, 1::2, ::-1]
-    return {"given": idx, "sorted": srt, "phased": phased, "zigzag": zigzag}
+    # 128 buckets of S / 128 rows, the lists' own order within a bucket, invalid entries last
+    s_rows = int(idx.max()) + 1
+    bucket = np.where(idx >= 0, idx.astype(np.int64) * 127 // s_rows, 127)
+    bucketed = np.take_along_axis(idx, np.argsort(bucket, axis=2, kind="stable"), axis=2)
+    return {"given": idx, "sorted": srt, "phased": phased, "zigzag": zigzag,
+            "bucketed": bucketed}
 
 
 def bwd_fn(config):
