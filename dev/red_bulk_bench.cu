@@ -148,11 +148,9 @@ __global__ void __launch_bounds__(128) move_floor(const uint4* kv, float* dkv, c
   if (acc.x == 0x12345678u && acc.y == 0x9abcdefu) sink[0] = acc;
 }
 
-// The movement floor at a benchmark shape: T tokens of K entries at the end of S, dup CTAs per
-// token (2 at H = 128).
-template <int D>
-void measure_floor(int T, int K, int S, int dup) {
-  constexpr int CH = D * 2 / 16;
+// The benchmark's lists on the GPU: T tokens at the end of S, each the 128-row window ending at
+// it, then random rows of [0, S) (repeats allowed), K entries.
+static int* device_lists(int T, int K, int S) {
   const int window = 128;
   std::vector<int> h((size_t)T * K);
   srand(1);
@@ -162,10 +160,19 @@ void measure_floor(int T, int K, int S, int dup) {
       h[(size_t)t * K + j] = j < window ? pos - window + 1 + j : rand() % S;
   }
   int* idx;
-  float* dkv;
-  uint4 *kv, *qdo, *dq, *sink;
   cudaMalloc(&idx, h.size() * 4);
   cudaMemcpy(idx, h.data(), h.size() * 4, cudaMemcpyHostToDevice);
+  return idx;
+}
+
+// The movement floor at a benchmark shape: T tokens of K entries at the end of S, dup CTAs per
+// token (2 at H = 128).
+template <int D>
+void measure_floor(int T, int K, int S, int dup) {
+  constexpr int CH = D * 2 / 16;
+  int* idx = device_lists(T, K, S);
+  float* dkv;
+  uint4 *kv, *qdo, *dq, *sink;
   cudaMalloc(&dkv, (size_t)S * D * 4);
   cudaMemset(dkv, 0, (size_t)S * D * 4);
   cudaMalloc(&kv, (size_t)S * CH * 16);
@@ -198,18 +205,8 @@ void measure_floor(int T, int K, int S, int dup) {
 
 template <int D>
 void measure(int T, int K, int S, bool check) {
-  const int window = 128;
-  std::vector<int> h((size_t)T * K);
-  srand(1);
-  for (int t = 0; t < T; ++t) {
-    int pos = S - T + t;
-    for (int j = 0; j < K; ++j)
-      h[(size_t)t * K + j] = j < window ? pos - window + 1 + j : rand() % S;
-  }
-  int* idx;
+  int* idx = device_lists(T, K, S);
   float* dkv;
-  cudaMalloc(&idx, h.size() * 4);
-  cudaMemcpy(idx, h.data(), h.size() * 4, cudaMemcpyHostToDevice);
   cudaMalloc(&dkv, (size_t)S * D * 4);
   cudaMemset(dkv, 0, (size_t)S * D * 4);
   for (int dup : {1, 2}) {

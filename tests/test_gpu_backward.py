@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 import jax_dsa
 from jax_dsa import api
-from jax_dsa.cute import BwdConfig, Config, config as kernel_config
+from jax_dsa.cute import BwdConfig, Config, config as kernel_config, constants
 from cases import make_problem, rel_err
 import oracle
 
@@ -131,7 +131,8 @@ SORT_CASES = [
                          ids=lambda c: _case_id(c) if isinstance(c, tuple) else f"sort{c}")
 def test_backward_rows_sorted_or_as_given_through_config(case, sort_rows):
     b, t, h, d, s, k = case[:6]
-    assert kernel_config.select((b, t, h, d), k, s).bwd.sort_rows == (b * s * d * 4 >= 64 << 20)
+    past_l2 = b * s * d * 4 >= constants.LONG_DKV_MIN_BYTES
+    assert kernel_config.select((b, t, h, d), k, s).bwd.sort_rows == past_l2
     _check_kernel_gradients(case, Config(bwd=BwdConfig(sort_rows=sort_rows)))
 
 
