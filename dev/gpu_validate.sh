@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # GPU validation from the source tree with jax_dsa/_lib built (carry it to the GPU machine):
 #
-#   bash dev/gpu_validate.sh [tests-fwd] [tests-bwd] [tests-rest] [memcheck] [bench]
-#                            [bench-indexer] [bench-decode] [bench-layer] [train-compare]
-#                            [wgmma-ceiling] [bench-pools]
+#   bash dev/gpu_validate.sh [tests-fwd] [tests-bwd] [tests-rest] [tests-sort] [memcheck]
+#                            [bench] [bench-indexer] [bench-decode] [bench-order] [bench-layer]
+#                            [train-compare] [wgmma-ceiling] [bench-pools]
 #                            [profile] [hotlines] [hotlines-layer] [hotlines-decode]
 #                                                                         (default: all tests)
 #
@@ -82,6 +82,14 @@ for step in "${steps[@]}"; do
       timeout 120 python3 dev/wgmma_ceiling.py --out "$out/wgmma" > "$out/wgmma_ceiling.log" 2>&1
       rc=$?
       grep "TFLOP" "$out/wgmma_ceiling.log" ;;
+    tests-sort)  # the backward's row order (BwdConfig.sort_rows, the row-order kernel) and the
+      # `_long` cases that run it by default
+      pytest_step tests-sort 300 tests/test_gpu_backward.py \
+        -k "sort or never_writes or rows_order or S40000 or S33000 or S20000" ;;
+    bench-order)  # the backward's time per list order, the library's sort and its cost alone
+      timeout 400 python3 dev/list_order_bench.py > "$out/bench_order.log" 2>&1
+      rc=$?
+      grep -E " (bwd|fwd|alone) " "$out/bench_order.log" ;;
     bench-decode)
       timeout 200 python3 dev/bench_decode.py > "$out/bench_decode.log" 2>&1
       rc=$?
