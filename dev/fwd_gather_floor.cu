@@ -112,22 +112,20 @@ __global__ void __launch_bounds__(256) combine_parts(const uint4* parts, const f
                                                      int P, int HB, uint4* out) {
   const int row = blockIdx.x * 4 + threadIdx.x / 64, chunk = threadIdx.x % 64;  // row = t*H+h
   const int H = 64 * HB, t = row / H, h = row % H;
-  float m = -INFINITY, w[16];
+  float m = -INFINITY;
   for (int p = 0; p < P; ++p) m = fmaxf(m, lse_parts[(t * P + p) * H + h]);
   float l = 0.f, acc[8] = {};
-  for (int p = 0; p < P; ++p) {
-    w[p & 15] = __expf(lse_parts[(t * P + p) * H + h] - m);
-    l += w[p & 15];
-  }
 #pragma unroll 4
   for (int p = 0; p < P; ++p) {
+    const float w = __expf(lse_parts[(t * P + p) * H + h] - m);
+    l += w;
     const size_t tile = (size_t)(t * P + p) * HB + h / 64;
     const uint4 x = parts[(tile * 64 + h % 64) * 64 + chunk];
     const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&x);
     for (int j = 0; j < 4; ++j) {
       const float2 f = __bfloat1622float2(v[j]);
-      acc[2 * j] += w[p & 15] * f.x;
-      acc[2 * j + 1] += w[p & 15] * f.y;
+      acc[2 * j] += w * f.x;
+      acc[2 * j + 1] += w * f.y;
     }
   }
   uint4 o;

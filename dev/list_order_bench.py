@@ -5,7 +5,7 @@
 The backward adds every entry's fp32 dkv row with a RED; past L2 (S 64K-128K) a RED that misses
 L2 costs HBM traffic. The order of a token's entries does not change the result (up to fp32
 rounding of the sums), only which rows the CTAs running at the same time touch. Orders timed
-(examples/benchmark.py --long inputs and bwd pass, same timing):
+(examples/benchmark.py --long inputs, bwd pass and timing):
   given    the benchmark's lists (the 128-row window, then uniform random rows);
   sorted   each list in ascending row order;
   phased   sorted, then rotated so that the CTAs resident at one time walk the same rows: token t
@@ -32,12 +32,11 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import benchmark  # noqa: E402
 
-import jax_dsa  # noqa: E402
 from jax_dsa.cute import BwdConfig, Config  # noqa: E402
 from jax_dsa.cute.kernel import rows_ascending  # noqa: E402
 
 
-def orders(idx, heads, sms):
+def orders(idx, heads, sms, num_kv_rows):
     idx = np.asarray(idx)
     B, T, K = idx.shape
     srt = np.sort(idx, axis=2)
@@ -49,26 +48,11 @@ def orders(idx, heads, sms):
         phased[:, t] = np.roll(srt[:, t], -shift, axis=1)
     zigzag = srt.copy()
     zigzag[:, 1::2] = srt[:, 1::2, ::-1]
-    # 128 buckets of S / 128 rows, the lists' own order within a bucket, invalid entries last
-    s_rows = int(idx.max()) + 1
-    bucket = np.where(idx >= 0, idx.astype(np.int64) * 127 // s_rows, 127)
+    # 127 buckets of S / 127 rows, the lists' own order within a bucket, invalid entries last
+    bucket = np.where(idx >= 0, idx.astype(np.int64) * 127 // num_kv_rows, 127)
     bucketed = np.take_along_axis(idx, np.argsort(bucket, axis=2, kind="stable"), axis=2)
     return {"given": idx, "sorted": srt, "phased": phased, "zigzag": zigzag,
             "bucketed": bucketed}
-
-
-def bwd_fn(config):
-    """examples/benchmark.py's bwd pass with `config`: (jitted backward, its arguments)."""
-    def fwd(q, kv, idx, sink):
-        return jax_dsa.sparse_mla(q, kv, idx, sink=sink, return_lse=True, implementation="cute",
-                                  config=config)
-
-    def prep(q, kv, idx, sink):
-        (o, lse), vjp_fn = jax.vjp(lambda q, kv, sink: fwd(q, kv, idx, sink), q, kv, sink)
-        do = jax.random.normal(jax.random.PRNGKey(7), o.shape, jnp.float32).astype(o.dtype)
-        return vjp_fn, (do, jnp.zeros_like(lse))
-
-    return jax.jit(lambda vjp_fn, cotangents: vjp_fn(cotangents)), prep
 
 
 def main():
@@ -80,14 +64,16 @@ def main():
     dev = jax.devices()[0]
     sms = getattr(dev, "core_count", 132) or 132
     print(f"jax {jax.__version__}, {dev.device_kind}, {sms} SMs")
-    pinned = bwd_fn(Config(bwd=BwdConfig(sort_rows=False)))
-    default = bwd_fn(None)
+    pinned = benchmark.make_fn("cute", "bwd", Config(bwd=BwdConfig(sort_rows=False)))
+    default = benchmark.make_fn("cute", "bwd")
+    fwd, _ = benchmark.make_fn("cute", "fwd")
     for label, h, topk, tokens, seq, d, batch in benchmark.LONG:
         if label not in args.shapes.split(","):
             continue
         q, kv, idx, sink, _ = benchmark.make_inputs(h, topk, tokens, seq, d, batch)
         ref = None
-        runs = [(name, pinned, ordered) for name, ordered in orders(idx, h, sms).items()]
+        ordered_lists = orders(idx, h, sms, seq)
+        runs = [(name, pinned, ordered) for name, ordered in ordered_lists.items()]
         for name, (fn, prep), ordered in runs + [("library", default, idx)]:
             fargs = prep(q, kv, jnp.asarray(ordered), sink)
             us = benchmark.time_call(fn, fargs, 10, args.batches, args.batch_ms) * 1e6
@@ -98,10 +84,8 @@ def main():
                 diff = float(np.max(np.abs(dkv - ref)) / np.max(np.abs(ref)))
             print(f"{label:16s} {name:7s} bwd {us:9.1f} us   dkv max diff vs given {diff:.2e}",
                   flush=True)
-        fwd = jax.jit(lambda q, kv, idx, sink: jax_dsa.sparse_mla(
-            q, kv, idx, sink=sink, return_lse=True, implementation="cute"))
         for name in ("given", "sorted"):
-            ordered = jnp.asarray(orders(idx, h, sms)[name])
+            ordered = jnp.asarray(ordered_lists[name])
             us = benchmark.time_call(fwd, (q, kv, ordered, sink), 10, args.batches,
                                      args.batch_ms) * 1e6
             print(f"{label:16s} {name:7s} fwd {us:9.1f} us", flush=True)

@@ -2,15 +2,15 @@
 
     python dev/sort_cost.py
 
-[1, T, K] int32 rows of [0, S) at the issue-26 shapes; back-to-back jitted calls, median of 5
-batches of 20:
+[1, T, K] int32 rows of [0, S) at the issue-26 shapes; back-to-back jitted calls
+(examples/benchmark.py's timing), median of 5 batches of 20:
   rows_ascending   jax_dsa.cute.kernel.rows_ascending (masks, jnp.sort along K, the count);
   jnp.sort         the sort alone (stable);
   lax.sort         lax.sort along K, is_stable=False;
   flat             one 1-D sort of token * 2^bits(S) + row (int32 while it fits), unpacked.
 """
-import statistics
-import time
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,17 +19,13 @@ from jax import lax
 
 from jax_dsa.cute.kernel import rows_ascending
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+import benchmark  # noqa: E402
 
-def per_call_us(fn, x, calls=20, batches=5):
-    jax.block_until_ready(fn(x))
-    times = []
-    for _ in range(batches):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(x)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
+
+def us(fn, x):
+    """Per call of back-to-back jitted calls (examples/benchmark.py's timing), median of 5."""
+    return benchmark.time_call(fn, (x,), 20, 5) * 1e6
 
 
 def main():
@@ -52,7 +48,7 @@ def main():
             got = fn(x)
             got = got[0] if isinstance(got, tuple) else got
             ok = np.array_equal(np.asarray(got), ref)
-            print(f"T {t} K {k} S {s}: {name:15s} {per_call_us(fn, x):8.1f} us  "
+            print(f"T {t} K {k} S {s}: {name:15s} {us(fn, x):8.1f} us  "
                   f"{'same' if ok else 'DIFFERENT'}", flush=True)
 
 

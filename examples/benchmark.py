@@ -121,14 +121,15 @@ def device_bytes(fn, args):
         return float("nan")
 
 
-def make_fn(impl, passes):
-    """(jitted function, how to get its arguments from (q, kv, idx, sink))."""
+def make_fn(impl, passes, config=None):
+    """(jitted function, how to get its arguments from (q, kv, idx, sink)); `config` pins the
+    kernels (jax_dsa.cute.Config; None: the defaults)."""
     deterministic = impl == "cute-det"
     impl = "cute" if deterministic else impl
 
     def fwd(q, kv, idx, sink):
         return jax_dsa.sparse_mla(q, kv, idx, sink=sink, return_lse=True, implementation=impl,
-                                  deterministic=deterministic)
+                                  deterministic=deterministic, config=config)
 
     if passes == "fwd":
         return jax.jit(fwd), lambda *inputs: inputs
