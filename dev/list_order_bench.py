@@ -17,8 +17,8 @@ rounding of the sums), only which rows the CTAs running at the same time touch. 
            bucket).
 Each runs with the lists' order pinned (BwdConfig(sort_rows=False)); then "library" = the given
 lists with the default config, which sorts them inside the call where dkv outgrows the L2
-(BwdConfig.sort_rows), and "sort alone" = that sort (jax_dsa.cute.kernel.rows_ascending) by
-itself; last the forward with the lists given and sorted. Prints the median time per call of
+(BwdConfig.sort_rows); then the forward with the lists given and sorted; last "sort alone" =
+that sort (jax_dsa.cute.kernel.rows_ascending) by itself. Prints the median time per call of
 each and the largest dkv difference against `given`.
 """
 import argparse
