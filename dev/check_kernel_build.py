@@ -5,7 +5,7 @@ registers, spills, local memory and the SASS instructions that matter.
     python dev/check_kernel_build.py [OP ...] [--only bf16_d576 ...] [--out DIR] [--keep-sass]
                                      [--allow-spills]
 
-OP is one of ffi/build.py's ops (fwd, fwd_split, combine, fwd2, bwd, bwd2, reduce, union,
+OP is one of ffi/build.py's ops (fwd, fwd_split, combine, fwd2, bwd, bwd2, reduce, union, rows,
 indexer, select, target, loss_fwd, loss_bwd); default: all. Every export of ffi/build.py's
 table is compiled for sm_90a keeping the cubin (CUTE_DSL_KEEP=cubin; CHECK_KEEP=ptx,cubin keeps
 the PTX too, under --out/dump) and exported into --out (nothing in the source tree is written),

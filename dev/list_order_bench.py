@@ -16,10 +16,11 @@ rounding of the sums), only which rows the CTAs running at the same time touch. 
            bucket sort gives: enough for the REDs' locality if the blocks are wider than a
            bucket).
 Each runs with the lists' order pinned (BwdConfig(sort_rows=False)); then "library" = the given
-lists with the default config, which sorts them inside the call where dkv outgrows the L2
-(BwdConfig.sort_rows); then the forward with the lists given and sorted; last "sort alone" =
-that sort (jax_dsa.cute.kernel.rows_ascending) by itself. Prints the median time per call of
-each and the largest dkv difference against `given`.
+lists with the default config, which orders them inside the call where dkv outgrows the L2
+(BwdConfig.sort_rows); then the forward with the lists given and sorted; last XLA's sort
+(jax_dsa.cute.kernel.rows_ascending) and the row-order step the library runs (rows_in_order:
+the kernel where built), each by itself. Prints the median time per call of each and the
+largest dkv difference against `given`.
 """
 import argparse
 import os
@@ -33,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import benchmark  # noqa: E402
 
 from jax_dsa.cute import BwdConfig, Config  # noqa: E402
-from jax_dsa.cute.kernel import rows_ascending  # noqa: E402
+from jax_dsa.cute.kernel import rows_ascending, rows_in_order  # noqa: E402
 
 
 def orders(idx, heads, sms, num_kv_rows):
@@ -89,10 +90,11 @@ def main():
             us = benchmark.time_call(fwd, (q, kv, ordered, sink), 10, args.batches,
                                      args.batch_ms) * 1e6
             print(f"{label:16s} {name:7s} fwd {us:9.1f} us", flush=True)
-        sort = jax.jit(lambda i, n: rows_ascending(i, n, seq))
         length = jnp.full(idx.shape[:2], idx.shape[2], jnp.int32)
-        us = benchmark.time_call(sort, (idx, length), 10, args.batches, 200.0) * 1e6
-        print(f"{label:16s} sort alone {us:9.1f} us", flush=True)
+        for name, form in (("sort (XLA)", rows_ascending), ("row order", rows_in_order)):
+            sort = jax.jit(lambda i, n: form(i, n, seq))
+            us = benchmark.time_call(sort, (idx, length), 10, args.batches, 200.0) * 1e6
+            print(f"{label:16s} {name} alone {us:9.1f} us", flush=True)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,11 @@ def test_library_loads_and_exports_handlers():
     assert _native.has_group_union()
     lib.JaxDsaGroupUnionNumKernels.restype = ctypes.c_int
     assert lib.JaxDsaGroupUnionNumKernels() == 9
+    # the row-order kernel of the backward past the L2 (BwdConfig.sort_rows)
+    assert _native.has_rows_order()
+    lib.JaxDsaRowsOrderNumKernels.restype = ctypes.c_int
+    assert lib.JaxDsaRowsOrderNumKernels() == 1
+    assert getattr(lib, "JaxDsaRowsOrderSm90") is not None
     # the indexer's score kernel (bf16, f16) and its top-k (one per INDEXER_TOPK_SIZES)
     assert _native.has_indexer()
     lib.JaxDsaIndexerNumKernels.restype = ctypes.c_int

@@ -60,9 +60,10 @@ class BwdConfig:
     """The backward: tokens per 64-row tile (`group`: 1, or 2 / 4 / 8 with H * group = 64),
     where a grouped call's list union is computed (`union`), the deterministic backward's
     workspace bound in bytes (`workspace_bytes`), and whether the plain backward (group 1, not
-    deterministic) walks each token's valid rows in ascending order (`sort_rows`: XLA sorts the
-    lists first, the invalid entries go last and topk_length becomes the valid count; the dkv
-    REDs that miss L2 then land on nearby rows, which pays once dkv outgrows the L2)."""
+    deterministic) walks each token's valid rows in row order (`sort_rows`: the row-order kernel
+    buckets each list by row first, jax_dsa.cute.kernel.rows_in_order; the invalid entries go
+    last and topk_length becomes the valid count; the dkv REDs that miss L2 then land on nearby
+    rows, which pays once dkv outgrows the L2)."""
     group: int = 1
     union: str = "kernel"
     workspace_bytes: int = DET_WORKSPACE_BYTES

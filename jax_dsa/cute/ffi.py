@@ -32,6 +32,7 @@ TARGETS = {
     "jax_dsa_sparse_mla_bwd_deterministic_sm90": "JaxDsaSparseMlaBwdDeterministicSm90",
     "jax_dsa_sparse_mla_bwd_grouped_sm90": "JaxDsaSparseMlaBwdGroupedSm90",
     "jax_dsa_group_union_sm90": "JaxDsaGroupUnionSm90",
+    "jax_dsa_rows_order_sm90": "JaxDsaRowsOrderSm90",
     "jax_dsa_indexer_scores_sm90": "JaxDsaIndexerScoresSm90",
     "jax_dsa_indexer_topk_sm90": "JaxDsaIndexerTopkSm90",
     "jax_dsa_attention_target_sm90": "JaxDsaAttentionTargetSm90",
@@ -39,8 +40,8 @@ TARGETS = {
     "jax_dsa_indexer_loss_bwd_sm90": "JaxDsaIndexerLossBwdSm90",
 }
 # Module loaders of the handler files (called once, outside any CUDA-graph capture).
-_INITS = ("JaxDsaInit", "JaxDsaBwdInit", "JaxDsaGroupUnionInit", "JaxDsaIndexerInit",
-          "JaxDsaTargetInit", "JaxDsaLossInit")
+_INITS = ("JaxDsaInit", "JaxDsaBwdInit", "JaxDsaGroupUnionInit", "JaxDsaRowsOrderInit",
+          "JaxDsaIndexerInit", "JaxDsaTargetInit", "JaxDsaLossInit")
 
 _lock = threading.Lock()
 _lib = None
@@ -148,6 +149,11 @@ def has_backward() -> bool:
 def has_group_union() -> bool:
     """True when the library holds the list-union kernels. Never raises."""
     return _num_kernels("JaxDsaGroupUnionNumKernels") > 0
+
+
+def has_rows_order() -> bool:
+    """True when the library holds the row-order kernel. Never raises."""
+    return _num_kernels("JaxDsaRowsOrderNumKernels") > 0
 
 
 def has_indexer() -> bool:
@@ -291,6 +297,16 @@ def group_union(idx, topk_length, num_kv_rows: int, group: int):
            jax.ShapeDtypeStruct((B, n), jnp.int32))
     return _call("jax_dsa_group_union_sm90", out, _i32(idx), _i32(topk_length),
                  num_kv_rows=np.int64(num_kv_rows), group=np.int32(group))
+
+
+def rows_order(idx, topk_length, num_kv_rows: int):
+    """Each token's list in row order by the CUDA kernel (ffi/rows_order.cc): (rows [B, T, K]
+    int32 = the valid entries ordered by row * 127 // S, the list's order within a bucket, then
+    num_kv_rows for each invalid entry; count [B, T] int32 = the valid entries)."""
+    out = (jax.ShapeDtypeStruct(idx.shape, jnp.int32),
+           jax.ShapeDtypeStruct(idx.shape[:2], jnp.int32))
+    return _call("jax_dsa_rows_order_sm90", out, _i32(idx), _i32(topk_length),
+                 num_kv_rows=np.int64(num_kv_rows))
 
 
 def sparse_mla_bwd_deterministic(q, kv, idx, topk_length, lse, do, o, coef, *, scale,
