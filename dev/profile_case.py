@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Run one benchmark shape a few times, for a profiler (jax_dsa/_lib must be built):
 
-    python dev/profile_case.py fwd|bwd H TOPK [S]
+    python dev/profile_case.py fwd|bwd H TOPK [S] [--given]
     python dev/profile_case.py decode B          # B tokens, one per sequence of S = 64K
     ncu --clock-control none --launch-skip 1 --launch-count 1 --kernel-name regex:SparseMlaFwd \\
         --section SpeedOfLight --section MemoryWorkloadAnalysis python dev/profile_case.py fwd 64 512
@@ -12,7 +12,8 @@ jax.grad, i.e. the forward and then the backward kernel (its class name contains
 the forward's SparseMlaFwd). "decode" runs examples/benchmark.py --decode's inputs (H 128,
 Dqk 576, K 2048, a sink) through the default forward: the split kernel and its combine when B
 tokens leave the GPU empty. A kernel other than the default: edit the call to pass config=
-(jax_dsa.cute.Config).
+(jax_dsa.cute.Config). `--given`: the backward walks the lists as given (BwdConfig(sort_rows=False)),
+where the default sorts them past the L2.
 `bash dev/gpu_validate.sh profile` profiles the default shapes with the sections that matter.
 """
 import os
@@ -30,15 +31,18 @@ from benchmark import DECODE, make_inputs  # noqa: E402
 
 
 def main():
-    which = sys.argv[1]
+    given = "--given" in sys.argv
+    argv = [a for a in sys.argv if a != "--given"]
+    config = jax_dsa.cute.Config(bwd=jax_dsa.cute.BwdConfig(sort_rows=False)) if given else None
+    which = argv[1]
     if which == "decode":  # benchmark.py --decode's shape (H 128, Dqk 576, a sink), B tokens
         _, heads, topk, tokens, seq, d, _ = DECODE[0]
-        batch = int(sys.argv[2])
+        batch = int(argv[2])
         q, kv, idx, sink, _ = make_inputs(heads, topk, tokens, seq, d=d, batch=batch)
         label = (batch,)
     else:
-        heads, topk = int(sys.argv[2]), int(sys.argv[3])
-        seq = int(sys.argv[4]) if len(sys.argv) > 4 else None
+        heads, topk = int(argv[2]), int(argv[3])
+        seq = int(argv[4]) if len(argv) > 4 else None
         q, kv, idx, sink, _ = make_inputs(heads, topk, 4096, seq)
         label = (heads, topk)
     if which in ("fwd", "decode"):
@@ -47,7 +51,7 @@ def main():
         w = jax.random.normal(jax.random.PRNGKey(1), q.shape[:3] + (512,), jnp.float32)
 
         def loss(q, kv, sink):
-            return jnp.sum(jax_dsa.sparse_mla(q, kv, idx, sink=sink).astype(jnp.float32) * w)
+            return jnp.sum(jax_dsa.sparse_mla(q, kv, idx, sink=sink, config=config).astype(jnp.float32) * w)
 
         fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     else:
