@@ -1,6 +1,7 @@
 """Does the order of each token's list change the backward's time at long context?
 
     python dev/list_order_bench.py [--shapes "V4-Flash S=64K,V4-Pro S=64K"] [--batch-ms 1500]
+                                   [--orders given,bucketed,waves] [--no-fwd]
 
 The backward adds every entry's fp32 dkv row with a RED; past L2 (S 64K-128K) a RED that misses
 L2 costs HBM traffic. The order of a token's entries does not change the result (up to fp32
@@ -12,6 +13,9 @@ rounding of the sums), only which rows the CTAs running at the same time touch. 
            starts at block (-t * blocks / resident_tokens) mod blocks, resident_tokens = the
            number of SMs / CTAs per token (CTAs start one after another in token order).
   zigzag   sorted, every other token in descending order;
+  waves    sorted, the tokens of every other wave (resident_tokens consecutive tokens) in
+           descending order: each wave sweeps the rows the way the last one ended, where the L2
+           still holds the previous wave's last rows;
   bucketed ordered by row // (S / 127) only, the given order within a bucket (what a one-pass
            bucket sort gives: enough for the REDs' locality if the blocks are wider than a
            bucket).
@@ -49,11 +53,14 @@ def orders(idx, heads, sms, num_kv_rows):
         phased[:, t] = np.roll(srt[:, t], -shift, axis=1)
     zigzag = srt.copy()
     zigzag[:, 1::2] = srt[:, 1::2, ::-1]
+    waves = srt.copy()
+    odd = (np.arange(T) // resident) % 2 == 1
+    waves[:, odd] = srt[:, odd, ::-1]
     # 127 buckets of S / 127 rows, the lists' own order within a bucket, invalid entries last
     bucket = np.where(idx >= 0, idx.astype(np.int64) * 127 // num_kv_rows, 127)
     bucketed = np.take_along_axis(idx, np.argsort(bucket, axis=2, kind="stable"), axis=2)
     return {"given": idx, "sorted": srt, "phased": phased, "zigzag": zigzag,
-            "bucketed": bucketed}
+            "bucketed": bucketed, "waves": waves}
 
 
 def main():
@@ -61,6 +68,9 @@ def main():
     ap.add_argument("--shapes", default="V4-Flash S=64K,V4-Pro S=64K,V3.2 S=128K")
     ap.add_argument("--batch-ms", type=float, default=1500.0)
     ap.add_argument("--batches", type=int, default=3)
+    ap.add_argument("--orders", default="given,sorted,phased,zigzag,bucketed,waves",
+                    help="the pre-ordered lists to time (given first: the dkv reference)")
+    ap.add_argument("--no-fwd", action="store_true", help="skip the forward rows")
     args = ap.parse_args()
     dev = jax.devices()[0]
     sms = getattr(dev, "core_count", 132) or 132
@@ -74,7 +84,7 @@ def main():
         q, kv, idx, sink, _ = benchmark.make_inputs(h, topk, tokens, seq, d, batch)
         ref = None
         ordered_lists = orders(idx, h, sms, seq)
-        runs = [(name, pinned, ordered) for name, ordered in ordered_lists.items()]
+        runs = [(name, pinned, ordered_lists[name]) for name in args.orders.split(",")]
         for name, (fn, prep), ordered in runs + [("library", default, idx)]:
             fargs = prep(q, kv, jnp.asarray(ordered), sink)
             us = benchmark.time_call(fn, fargs, 10, args.batches, args.batch_ms) * 1e6
@@ -85,7 +95,7 @@ def main():
                 diff = float(np.max(np.abs(dkv - ref)) / np.max(np.abs(ref)))
             print(f"{label:16s} {name:7s} bwd {us:9.1f} us   dkv max diff vs given {diff:.2e}",
                   flush=True)
-        for name in ("given", "sorted"):
+        for name in () if args.no_fwd else ("given", "sorted"):
             ordered = jnp.asarray(ordered_lists[name])
             us = benchmark.time_call(fwd, (q, kv, ordered, sink), 10, args.batches,
                                      args.batch_ms) * 1e6

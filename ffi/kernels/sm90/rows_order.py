@@ -36,6 +36,7 @@ LANES = 32
 WARPS = 4
 UNROLL = 4  # steps of loads in flight in the counting pass
 OUTSIDE = 255  # a lane past its slice's end (never a bucket)
+assert WARPS * LANES == BUCKETS  # the scan gives thread t bucket t
 
 
 class RowsOrderSm90:
