@@ -1,0 +1,91 @@
+#!/usr/bin/env python
+"""A model of the long backward's DRAM traffic per list order: an LRU cache of whole kv rows.
+
+    python dev/l2_order_sim.py [--shapes v4pro,v32_128k,v4flash] [--l2-mb 50] \\
+                               [--orders given,sorted,waves]
+
+Each access of a row brings its bf16 kv row (gathered) and its fp32 dkv row (the RED) into a
+least-recently-used cache of --l2-mb MB, 6 * Dqk bytes a row. A miss reads both from DRAM, and
+an eviction writes the dkv row back. The model schedules the backward as it runs: one CTA per
+SM, ceil(H / 64) CTAs per token, so a wave holds SMs // ceil(H / 64) tokens. The CTAs of a wave
+move through their 64-entry blocks in step, and a token's two CTAs share every row. Lists are
+examples/benchmark.py --long's (the 128-row window, then uniform random rows; T = 4096).
+Orders: given, sorted (each list ascending), waves (sorted, every other wave descending).
+"Stream" adds Q, dO, O read once and dq written once. What the model leaves out: the L2's
+sectors, its two partitions, CTAs drifting apart within a wave, and the stream's share of the
+cache. For V4-Pro S 64K, sorted, on the H100 (50 MB) it gives 15.5 GB against 20.7 GB that
+ncu counted (docs/performance.md, 2026-12-06).
+"""
+import argparse
+import collections
+
+import numpy as np
+
+SHAPES = {  # Dqk, H, K (window + top-k), S
+    "v4pro": (512, 128, 1152, 65536),
+    "v32_128k": (576, 128, 2048, 131072),
+    "v4flash": (512, 64, 640, 65536),
+    "v32_8k": (576, 128, 2048, 8192),
+}
+WINDOW, TOKENS, D_V = 128, 4096, 512
+
+
+def lists(k, s, seed=0):
+    rng = np.random.default_rng(seed)
+    pos = (s - TOKENS + np.arange(TOKENS))[:, None]
+    window = pos - (WINDOW - 1) + np.arange(WINDOW)[None, :]
+    return np.concatenate([window, rng.integers(0, s, (TOKENS, k - WINDOW))], axis=1)
+
+
+def ordered(idx, order, wave):
+    if order == "given":
+        return idx
+    out = np.sort(idx, axis=1)
+    if order == "waves":
+        odd = (np.arange(len(out)) // wave) % 2 == 1
+        out[odd] = out[odd, ::-1]
+    return out
+
+
+def traffic(idx, d, cap_bytes, wave):
+    """(GB read, GB written) of the kv / dkv rows."""
+    cap = int(cap_bytes // (6 * d))
+    lru = collections.OrderedDict()
+    misses = evictions = 0
+    blocks = -(-idx.shape[1] // 64)
+    for first in range(0, len(idx), wave):
+        tokens = idx[first:first + wave]
+        for b in range(blocks):
+            for r in tokens[:, b * 64:(b + 1) * 64].ravel().tolist():
+                if r in lru:
+                    lru.move_to_end(r)
+                    continue
+                misses += 1
+                lru[r] = None
+                if len(lru) > cap:
+                    lru.popitem(last=False)
+                    evictions += 1
+    return misses * 6 * d / 1e9, evictions * 4 * d / 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="v4pro,v32_128k,v4flash")
+    ap.add_argument("--l2-mb", type=float, default=50.0)
+    ap.add_argument("--sms", type=int, default=132)
+    ap.add_argument("--orders", default="given,sorted,waves")
+    args = ap.parse_args()
+    for name in args.shapes.split(","):
+        d, h, k, s = SHAPES[name]
+        wave = args.sms // -(-h // 64)
+        idx = lists(k, s)
+        stream = TOKENS * h * (2 * d + 2 * 2 * D_V + 2 * d) / 1e9
+        for order in args.orders.split(","):
+            rd, wr = traffic(ordered(idx, order, wave), d, args.l2_mb * 1e6, wave)
+            print(f"{name:9s} L2 {args.l2_mb:.0f} MB {order:6s} rows read {rd:6.2f} GB, "
+                  f"written {wr:6.2f} GB; + stream {stream:.2f} GB = {rd + wr + stream:6.2f} GB",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
