@@ -12,8 +12,8 @@ jax.grad, i.e. the forward and then the backward kernel (its class name contains
 the forward's SparseMlaFwd). "decode" runs examples/benchmark.py --decode's inputs (H 128,
 Dqk 576, K 2048, a sink) through the default forward: the split kernel and its combine when B
 tokens leave the GPU empty. A kernel other than the default: edit the call to pass config=
-(jax_dsa.cute.Config). `--given`: the backward walks the lists as given (BwdConfig(sort_rows=False)),
-where the default sorts them past the L2.
+(jax_dsa.cute.Config). `--given`: the backward walks the lists as given
+(BwdConfig(sort_rows=False)), where the default orders them past the L2.
 `bash dev/gpu_validate.sh profile` profiles the default shapes with the sections that matter.
 """
 import os
@@ -27,13 +27,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jax_dsa  # noqa: E402
+from jax_dsa.cute import BwdConfig, Config  # noqa: E402
 from benchmark import DECODE, make_inputs  # noqa: E402
 
 
 def main():
     given = "--given" in sys.argv
     argv = [a for a in sys.argv if a != "--given"]
-    config = jax_dsa.cute.Config(bwd=jax_dsa.cute.BwdConfig(sort_rows=False)) if given else None
+    config = Config(bwd=BwdConfig(sort_rows=False)) if given else None
     which = argv[1]
     if which == "decode":  # benchmark.py --decode's shape (H 128, Dqk 576, a sink), B tokens
         _, heads, topk, tokens, seq, d, _ = DECODE[0]
@@ -51,7 +52,8 @@ def main():
         w = jax.random.normal(jax.random.PRNGKey(1), q.shape[:3] + (512,), jnp.float32)
 
         def loss(q, kv, sink):
-            return jnp.sum(jax_dsa.sparse_mla(q, kv, idx, sink=sink, config=config).astype(jnp.float32) * w)
+            o = jax_dsa.sparse_mla(q, kv, idx, sink=sink, config=config)
+            return jnp.sum(o.astype(jnp.float32) * w)
 
         fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     else:
