@@ -11,17 +11,23 @@ SM, ceil(H / 64) CTAs per token in grid order, each CTA starting on the first SM
 a wave holds SMs // ceil(H / 64) tokens. A CTA takes one time unit per 64-entry block, times a
 factor drawn uniformly from 1 +- jitter (0: the waves move in step and a token's CTAs share
 every row; a little jitter lets the CTAs drift apart as they do on the GPU). Lists are
-examples/benchmark.py --long's (the 128-row window, then uniform random rows; T = 4096).
+examples/benchmark.make_lists' (the 128-row window, then uniform random rows; T = 4096).
 Orders: given, sorted (each list ascending), waves (sorted, every other wave descending).
 "Stream" adds Q, dO, O read once and dq written once. What the model leaves out: the L2's
-sectors, its two partitions and the stream's share of the cache. For V4-Pro S 64K, sorted, on the H100 (50 MB) it gives 15.5 GB against 20.7 GB that
-ncu counted (docs/performance.md, 2026-12-06).
+sectors, its two partitions and the stream's share of the cache. For V4-Pro S 64K, sorted, on
+the H100 (50 MB) it gives 15.5 GB against 20.7 GB that ncu counted (docs/performance.md,
+2026-12-06).
 """
 import argparse
 import collections
 import heapq
+import os
+import sys
 
 import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from benchmark import WINDOW, make_lists  # noqa: E402
 
 SHAPES = {  # Dqk, H, K (window + top-k), S
     "v4pro": (512, 128, 1152, 65536),
@@ -29,14 +35,7 @@ SHAPES = {  # Dqk, H, K (window + top-k), S
     "v4flash": (512, 64, 640, 65536),
     "v32_8k": (576, 128, 2048, 8192),
 }
-WINDOW, TOKENS, D_V = 128, 4096, 512
-
-
-def lists(k, s, seed=0):
-    rng = np.random.default_rng(seed)
-    pos = (s - TOKENS + np.arange(TOKENS))[:, None]
-    window = pos - (WINDOW - 1) + np.arange(WINDOW)[None, :]
-    return np.concatenate([window, rng.integers(0, s, (TOKENS, k - WINDOW))], axis=1)
+TOKENS, D_V = 4096, 512
 
 
 def ordered(idx, order, wave):
@@ -96,7 +95,7 @@ def main():
         d, h, k, s = SHAPES[name]
         ctas = -(-h // 64)
         wave = args.sms // ctas
-        idx = lists(k, s)
+        idx = make_lists(np.random.default_rng(0), k - WINDOW, TOKENS, s)[0]
         stream = TOKENS * h * (2 * d + 2 * 2 * D_V + 2 * d) / 1e9
         for order in args.orders.split(","):
             rd, wr = traffic(ordered(idx, order, wave), d, args.l2_mb * 1e6, ctas, args.sms,

@@ -74,6 +74,18 @@ DECODE = [("decode B=8", 128, 1920, 1, 65536, 576, 8),
           ("decode V4-Flash B=32", 64, 512, 1, 65536, 512, 32)]
 
 
+def make_lists(rng, topk, tokens, seq, batch=1):
+    """idx [B, T, WINDOW + topk] int32 (NumPy): make_inputs' lists, drawn from `rng`."""
+    pos = (seq - tokens + np.arange(tokens))[None, :, None]
+    window = pos - (WINDOW - 1) + np.arange(WINDOW)[None, None, :]
+    window = np.broadcast_to(np.where(window >= 0, window, -1), (batch, tokens, WINDOW))
+    if seq == tokens <= 8192 and batch == 1:
+        picks = np.argsort(rng.random((tokens, tokens)), axis=1)[None, :, :topk]
+    else:
+        picks = rng.integers(0, seq, (batch, tokens, topk))
+    return np.concatenate([window, picks], axis=2).astype(np.int32)
+
+
 def make_inputs(h, topk, tokens, seq=None, d=512, batch=1, seed=0):
     """q [B, T, H, d], kv [B, S, d] (bf16, random normal), idx [B, T, WINDOW + topk], sink [H]
     and the number of valid entries. Token t sits at position S - T + t: its list is the WINDOW
@@ -83,14 +95,7 @@ def make_inputs(h, topk, tokens, seq=None, d=512, batch=1, seed=0):
     seq = tokens if seq is None else seq
     q = jnp.asarray(rng.standard_normal((batch, tokens, h, d), np.float32), jnp.bfloat16)
     kv = jnp.asarray(rng.standard_normal((batch, seq, d), np.float32), jnp.bfloat16)
-    pos = (seq - tokens + np.arange(tokens))[None, :, None]
-    window = pos - (WINDOW - 1) + np.arange(WINDOW)[None, None, :]
-    window = np.broadcast_to(np.where(window >= 0, window, -1), (batch, tokens, WINDOW))
-    if seq == tokens <= 8192 and batch == 1:
-        picks = np.argsort(rng.random((tokens, tokens)), axis=1)[None, :, :topk]
-    else:
-        picks = rng.integers(0, seq, (batch, tokens, topk))
-    idx = np.concatenate([window, picks], axis=2).astype(np.int32)
+    idx = make_lists(rng, topk, tokens, seq, batch)
     sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
     valid = int((idx >= 0).sum())  # fewer than T * (WINDOW + topk) when T < topk or T < WINDOW
     return q, kv, jnp.asarray(idx), sink, valid
