@@ -2,12 +2,16 @@
 // (ffi/kernels/sm90/rows_order.py, export jax_dsa_rows_order; jax_dsa.cute.BwdConfig.sort_rows).
 //
 //   args:  idx [B, T, K] int32, topk_length [B, T] int32
-//   attrs: num_kv_rows (int64: S, entries outside [0, S) are invalid)
+//   attrs: num_kv_rows (int64: S, entries outside [0, S) are invalid), ctas_per_token (int32:
+//          the backward's CTAs per token, >= 1; 0: every list ascending)
 //   rets:  rows [B, T, K] int32 (the valid entries ordered by row * 127 // S, the list's order
 //          within a bucket, then S for every invalid entry), count [B, T] int32 (valid entries)
+// The backward runs one CTA per SM, so its CTAs run in waves of SMs / ctas_per_token tokens;
+// the kernel orders the lists of every other wave descending (wave = that many tokens).
 
 #include "common.h"  // first: defines the loaders' error hook
 
+#include <algorithm>
 #include <string>
 
 #include "jax_dsa_kernels.h"  // generated: includes every exported header
@@ -20,7 +24,7 @@ namespace {
 struct RowsArgs {
   void *idx, *len, *out, *count;
   int64_t n_idx, n_tok;
-  int32_t K, S;
+  int32_t K, S, wave;
 };
 
 #define JAX_DSA_ROWS_SPEC(PREFIX)                                                       \
@@ -31,7 +35,8 @@ struct RowsArgs {
       PREFIX##_Tensor_mOut_t out{a.out, {a.n_idx}};                                     \
       PREFIX##_Tensor_mCount_t count{a.count, {a.n_tok}};                               \
       return cute_dsl_##PREFIX##_wrapper(&module(), &idx, &len, &out, &count,           \
-                                         static_cast<int32_t>(a.n_tok), a.K, a.S, s);   \
+                                         static_cast<int32_t>(a.n_tok), a.K, a.S,       \
+                                         a.wave, s);                                    \
     }                                                                                   \
   };
 JAX_DSA_ROWS_SPECS(JAX_DSA_ROWS_SPEC)
@@ -43,7 +48,7 @@ KernelTable<RowsArgs>& RowsKernels() {
 }
 
 ffi::Error RowsOrder(cudaStream_t stream, int32_t device, ffi::AnyBuffer idx,
-                     ffi::AnyBuffer topk_length, int64_t num_kv_rows,
+                     ffi::AnyBuffer topk_length, int64_t num_kv_rows, int32_t ctas_per_token,
                      ffi::Result<ffi::AnyBuffer> rows, ffi::Result<ffi::AnyBuffer> count) {
   auto err = [](const std::string& m) {
     return ffi::Error::InvalidArgument("jax_dsa rows_order: " + m);
@@ -62,6 +67,8 @@ ffi::Error RowsOrder(cudaStream_t stream, int32_t device, ffi::AnyBuffer idx,
   if (count->element_type() != ffi::DataType::S32 || !HasDims(count->dimensions(), {B, T}))
     return err("count must be int32 [B, T], got " + Dims(count->dimensions()));
   if (B * T > INT32_MAX) return err("B * T must be < 2^31");
+  if (ctas_per_token < 0)
+    return err("ctas_per_token must be >= 0, got " + std::to_string(ctas_per_token));
   auto launch = RowsKernels().Find("jax_dsa_rows_order");
   if (launch == nullptr)
     return ffi::Error::Internal("jax_dsa rows_order: no kernel jax_dsa_rows_order was built");
@@ -78,9 +85,17 @@ ffi::Error RowsOrder(cudaStream_t stream, int32_t device, ffi::AnyBuffer idx,
       return ffi::Error::Internal(std::string("jax_dsa rows_order: ") + cudaGetErrorString(me));
     return ffi::Error::Success();
   }
+  int32_t wave = 0;
+  if (ctas_per_token > 0) {
+    int sms = 0;
+    cudaError_t ae = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (ae != cudaSuccess)
+      return ffi::Error::Internal(std::string("jax_dsa rows_order: ") + cudaGetErrorString(ae));
+    wave = std::max(1, sms / ctas_per_token);
+  }
   RowsArgs a{idx.untyped_data(), topk_length.untyped_data(), rows->untyped_data(),
              count->untyped_data(), B * T * K, B * T, static_cast<int32_t>(K),
-             static_cast<int32_t>(num_kv_rows)};
+             static_cast<int32_t>(num_kv_rows), wave};
   return LaunchStatus("rows_order", launch(a, stream));
 }
 
@@ -94,6 +109,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaRowsOrderSm90, jax_dsa::RowsOrder,
                                   .Arg<ffi::AnyBuffer>()  // idx
                                   .Arg<ffi::AnyBuffer>()  // topk_length
                                   .Attr<int64_t>("num_kv_rows")
+                                  .Attr<int32_t>("ctas_per_token")
                                   .Ret<ffi::AnyBuffer>()  // rows
                                   .Ret<ffi::AnyBuffer>(),  // count
                               {ffi::Traits::kCmdBufferCompatible});

@@ -124,12 +124,13 @@ for h, t, d, sort_rows in ((64, 5, 512, None), (100, 3, 512, None), (16, 8, 512,
     jax.block_until_ready(grads)
     print(f"backward H={h} Dqk={d} S={s} sort_rows={sort_rows} (long-context build): ok")
 # the row-order kernel alone (the step before those backwards): rows on both sides of [0, S),
-# lengths 0 .. K + 2
-for b, t, k, s in ((2, 5, 70, 33000), (1, 3, 1, 7), (1, 4, 3000, 500)):
+# lengths 0 .. K + 2, all ascending and with every other token's wave descending
+for b, t, k, s, ctas in ((2, 5, 70, 33000, 0), (1, 3, 1, 7, 0), (1, 4, 3000, 500, 0),
+                         (2, 300, 70, 33000, 2), (1, 9, 3000, 500, 1000)):
     idx = jnp.asarray(rng.integers(-40, s + 40, (b, t, k)).astype(np.int32))
     tl = jnp.asarray(rng.integers(0, k + 3, (b, t)).astype(np.int32))
-    jax.block_until_ready(cute_ffi.rows_order(idx, tl, s))
-    print(f"rows_order B={b} T={t} K={k} S={s}: ok")
+    jax.block_until_ready(cute_ffi.rows_order(idx, tl, s, ctas))
+    print(f"rows_order B={b} T={t} K={k} S={s} ctas_per_token={ctas}: ok")
 print("backward memcheck case done")
 
 # The indexer's score kernel: S not a multiple of the 256-row tile, Hi < 64, tokens before the

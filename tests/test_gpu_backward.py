@@ -136,9 +136,10 @@ def test_backward_rows_sorted_or_as_given_through_config(case, sort_rows):
     _check_kernel_gradients(case, Config(bwd=BwdConfig(sort_rows=sort_rows)))
 
 
-def _rows_order_oracle(idx, lengths, s):
+def _rows_order_oracle(idx, lengths, s, wave=0):
     """What the row-order kernel gives: per token the valid entries stably ordered by
-    row * 127 // S, then S for each invalid entry; and the valid count."""
+    row * 127 // S (by 126 minus it for the flattened tokens n with n // wave odd, wave > 0),
+    then S for each invalid entry; and the valid count."""
     b, t, k = idx.shape
     rows = np.full((b, t, k), s, np.int32)
     count = np.zeros((b, t), np.int32)
@@ -146,7 +147,10 @@ def _rows_order_oracle(idx, lengths, s):
         for j in range(t):
             head = idx[i, j, :max(0, min(k, lengths[i, j]))]
             valid = head[(head >= 0) & (head < s)]
-            order = np.argsort(valid.astype(np.int64) * 127 // s, kind="stable")
+            bucket = valid.astype(np.int64) * 127 // s
+            if wave and (i * t + j) // wave % 2:
+                bucket = 126 - bucket
+            order = np.argsort(bucket, kind="stable")
             rows[i, j, :valid.size] = valid[order]
             count[i, j] = valid.size
     return rows, count
@@ -154,22 +158,29 @@ def _rows_order_oracle(idx, lengths, s):
 
 @pytest.mark.parametrize("b,t,k,s", [(2, 3, 1, 5), (1, 5, 31, 1000), (2, 4, 33, 40),
                                      (1, 7, 640, 65536), (1, 3, 2048, 131072),
-                                     (1, 2, 5000, 300), (1, 2, 70, 2**31 - 1)])
-def test_rows_order_kernel_matches_its_oracle(b, t, k, s):
+                                     (1, 2, 5000, 300), (1, 2, 70, 2**31 - 1),
+                                     (2, 150, 64, 70000)])
+@pytest.mark.parametrize("ctas", ["none", "one", "two", "all"])
+def test_rows_order_kernel_matches_its_oracle(b, t, k, s, ctas):
     """ffi.rows_order (the default BwdConfig.sort_rows step): exact, stable within a bucket,
-    invalid entries (negative, >= S, past topk_length, including lengths 0 and > K) last."""
+    invalid entries (negative, >= S, past topk_length, including lengths 0 and > K) last; with
+    ctas_per_token > 0, every other wave of SMs // ctas_per_token tokens descending ("all":
+    one SM per token, so every other token)."""
     _kernel_or_skip()
     from jax_dsa.cute import ffi
     if not ffi.has_rows_order():
         pytest.skip("the library was built without the row-order kernel")
+    sms = jax.devices()[0].core_count
+    ctas_per_token = {"none": 0, "one": 1, "two": 2, "all": sms}[ctas]
+    wave = max(1, sms // ctas_per_token) if ctas_per_token else 0
     rng = np.random.default_rng()
     idx = rng.integers(-3, min(s, 2**31 - 4) + 3, (b, t, k)).astype(np.int64)
     idx[..., ::5] = rng.integers(0, 3, idx[..., ::5].shape)  # duplicates
     idx = np.clip(idx, -2**31, 2**31 - 1).astype(np.int32)
     lengths = rng.integers(0, k + 3, (b, t)).astype(np.int32)
     lengths.flat[0] = 0
-    rows, count = ffi.rows_order(jnp.asarray(idx), jnp.asarray(lengths), s)
-    want_rows, want_count = _rows_order_oracle(idx, lengths, s)
+    rows, count = ffi.rows_order(jnp.asarray(idx), jnp.asarray(lengths), s, ctas_per_token)
+    want_rows, want_count = _rows_order_oracle(idx, lengths, s, wave)
     np.testing.assert_array_equal(np.asarray(count), want_count)
     np.testing.assert_array_equal(np.asarray(rows), want_rows)
 

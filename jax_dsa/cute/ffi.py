@@ -299,14 +299,17 @@ def group_union(idx, topk_length, num_kv_rows: int, group: int):
                  num_kv_rows=np.int64(num_kv_rows), group=np.int32(group))
 
 
-def rows_order(idx, topk_length, num_kv_rows: int):
+def rows_order(idx, topk_length, num_kv_rows: int, ctas_per_token: int = 0):
     """Each token's list in row order by the CUDA kernel (ffi/rows_order.cc): (rows [B, T, K]
     int32 = the valid entries ordered by row * 127 // S, the list's order within a bucket, then
-    num_kv_rows for each invalid entry; count [B, T] int32 = the valid entries)."""
+    num_kv_rows for each invalid entry; count [B, T] int32 = the valid entries). With
+    ctas_per_token > 0 (the backward's CTAs per token) the buckets run descending for the
+    tokens t (flattened over B, T) with t // (SMs // ctas_per_token) odd: every other wave of
+    the backward sweeps the rows the other way."""
     out = (jax.ShapeDtypeStruct(idx.shape, jnp.int32),
            jax.ShapeDtypeStruct(idx.shape[:2], jnp.int32))
     return _call("jax_dsa_rows_order_sm90", out, _i32(idx), _i32(topk_length),
-                 num_kv_rows=np.int64(num_kv_rows))
+                 num_kv_rows=np.int64(num_kv_rows), ctas_per_token=np.int32(ctas_per_token))
 
 
 def sparse_mla_bwd_deterministic(q, kv, idx, topk_length, lse, do, o, coef, *, scale,

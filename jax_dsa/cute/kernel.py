@@ -47,18 +47,20 @@ def backward(q, kv, idx, topk_length, sink, o, lse, do, dlse, *, scale, config: 
                                            scale=scale, group=bwd.group, union=bwd.union)
     else:
         if bwd.sort_rows:
-            idx, topk_length = rows_in_order(idx, topk_length, kv.shape[1])
+            idx, topk_length = rows_in_order(idx, topk_length, kv.shape[1],
+                                             ctas_per_token=-(-q.shape[2] // 64))
         dq, dkv, delta = ffi.sparse_mla_bwd(q, kv, idx, topk_length, lse, do, o, coef,
                                             scale=scale)
     return dq, dkv, _dsink(sink, sink_share, delta)
 
 
-def rows_in_order(idx, topk_length, num_kv_rows: int):
+def rows_in_order(idx, topk_length, num_kv_rows: int, ctas_per_token: int = 0):
     """(idx, topk_length) with each token's valid rows first, in row order (BwdConfig.sort_rows):
     the row-order kernel (rows bucketed by row * 127 // S, the list's order within a bucket:
-    ffi/kernels/sm90/rows_order.py) where the library has it, else `rows_ascending`."""
+    ffi/kernels/sm90/rows_order.py; descending for every other wave of the backward's CTAs when
+    ctas_per_token > 0) where the library has it, else `rows_ascending` (all ascending)."""
     if ffi.has_rows_order() and 0 < num_kv_rows < 2**31:
-        return ffi.rows_order(idx, topk_length, num_kv_rows)
+        return ffi.rows_order(idx, topk_length, num_kv_rows, ctas_per_token)
     return rows_ascending(idx, topk_length, num_kv_rows)
 
 

@@ -5,7 +5,10 @@ The kernel form of jax_dsa.cute.kernel.rows_ascending, coarser: per token the va
 rows), the list's own order kept within a bucket, then the invalid entries as row S; and the
 valid count. The backward (BwdConfig.sort_rows) needs the rows of one 64-entry block to fall
 into a narrow range of dkv, the same for every token, not a full sort: with K <= 127 * 64 a
-bucket is narrower than a block.
+bucket is narrower than a block. With wave > 0 the tokens of every other run of `wave`
+consecutive tokens (tok // wave odd) take the buckets in descending order (126 - bucket; the
+invalid entries still last): the backward's CTAs run in waves of about that many tokens, and a
+wave that sweeps the rows the way the last one ended finds its first rows still in the L2.
 
 Grid: one CTA of WARPS warps per token. Warp w owns the w-th of WARPS contiguous slices of the
 list (whole 32-entry steps) and a 128-slot row of a [WARPS, 128] table in shared memory:
@@ -43,19 +46,21 @@ class RowsOrderSm90:
     @cute.jit
     def __call__(self, mIdx: cute.Tensor, mLen: cute.Tensor, mOut: cute.Tensor,
                  mCount: cute.Tensor, n_tok: cutlass.Int32, K: cutlass.Int32,
-                 S: cutlass.Int32, stream: cuda.CUstream):
+                 S: cutlass.Int32, wave: cutlass.Int32, stream: cuda.CUstream):
         @cute.struct
         class SharedStorage:
             table: cute.struct.MemRange[cutlass.Int32, WARPS * BUCKETS]
             warp_sum: cute.struct.MemRange[cutlass.Int32, WARPS]
 
-        self.kernel(mIdx, mLen, mOut, mCount, K, S, SharedStorage).launch(
+        self.kernel(mIdx, mLen, mOut, mCount, K, S, wave, SharedStorage).launch(
             grid=[n_tok, 1, 1], block=[WARPS * LANES, 1, 1],
             smem=SharedStorage.size_in_bytes(), stream=stream)
 
     @cute.jit
-    def bucket(self, r: cutlass.Int32, S: cutlass.Int32, inv_s: cutlass.Float32):
-        """row * 127 // S for 0 <= row < S: an fp32 estimate, off by at most one, corrected."""
+    def bucket(self, r: cutlass.Int32, S: cutlass.Int32, inv_s: cutlass.Float32,
+               descending: cutlass.Boolean):
+        """row * 127 // S for 0 <= row < S (126 minus it when descending): an fp32 estimate,
+        off by at most one, corrected."""
         last = BUCKETS - 1
         q = cutlass.Int32(cutlass.Float32(r) * cutlass.Float32(last) * inv_s)
         num = cutlass.Int64(r) * cutlass.Int64(last)
@@ -63,11 +68,13 @@ class RowsOrderSm90:
             q = q + 1
         if cutlass.Int64(q) * cutlass.Int64(S) > num:
             q = q - 1
+        if descending:
+            q = (last - 1) - q
         return q
 
     @cute.kernel
     def kernel(self, mIdx: cute.Tensor, mLen: cute.Tensor, mOut: cute.Tensor,
-               mCount: cute.Tensor, K: cutlass.Int32, S: cutlass.Int32,
+               mCount: cute.Tensor, K: cutlass.Int32, S: cutlass.Int32, wave: cutlass.Int32,
                SharedStorage: cutlass.Constexpr):
         tid, _, _ = cute.arch.thread_idx()
         tok, _, _ = cute.arch.block_idx()
@@ -84,6 +91,9 @@ class RowsOrderSm90:
         length = mLen[tok]
         last = BUCKETS - 1
         inv_s = cutlass.Float32(1.0) / cutlass.Float32(S)
+        descending = cutlass.Boolean(False)
+        if wave > 0:
+            descending = (tok // wave) % 2 == 1
         steps = (K + LANES - 1) // LANES
         per_warp = (steps + WARPS - 1) // WARPS
         lo = cutlass.min(warp * per_warp * LANES, K)
@@ -101,7 +111,7 @@ class RowsOrderSm90:
                     r = rs[u]
                     b = cutlass.Int32(last)
                     if (e < length) & (r >= 0) & (r < S):
-                        b = self.bucket(r, S, inv_s)
+                        b = self.bucket(r, S, inv_s, descending)
                     cute.arch.atomic_add((sTab.iterator + (b + warp * BUCKETS)).llvm_ptr,
                                          cutlass.Int32(1), sem="relaxed", scope="cta")
         cute.arch.sync_threads()
@@ -140,7 +150,7 @@ class RowsOrderSm90:
             if e < hi:
                 b = cutlass.Int32(last)
                 if (e < length) & (r >= 0) & (r < S):
-                    b = self.bucket(r, S, inv_s)
+                    b = self.bucket(r, S, inv_s, descending)
                     v = r
             peers = cutlass.Int32(cute.arch.match_sync(0xFFFFFFFF, b, kind="any"))
             rank = cute.arch.popc(peers & below)
@@ -157,12 +167,13 @@ class RowsOrderSm90:
 
 def compile_rows_order():
     """Compile with shape-only tensors: idx (B*T*K,), topk_length (B*T,), out (B*T*K,), count
-    (B*T,), all int32, then the token count, K, S and the stream."""
+    (B*T,), all int32, then the token count, K, S, the wave (tokens; 0: all ascending) and the
+    stream."""
     n_idx, n_tok = (cute.sym_int64() for _ in range(2))
     idx = make_fake_compact_tensor(cutlass.Int32, (n_idx,), assumed_align=4)
     lengths = make_fake_compact_tensor(cutlass.Int32, (n_tok,), assumed_align=4)
     out = make_fake_compact_tensor(cutlass.Int32, (n_idx,), assumed_align=4)
     count = make_fake_compact_tensor(cutlass.Int32, (n_tok,), assumed_align=4)
     i32 = cutlass.Int32(1)
-    return cute.compile(RowsOrderSm90(), idx, lengths, out, count, i32, i32, i32,
+    return cute.compile(RowsOrderSm90(), idx, lengths, out, count, i32, i32, i32, i32,
                         make_fake_stream())
