@@ -10,7 +10,9 @@
 // (S 64K: a 128 MB accumulator)? With arguments (T K D S ...) it also gives the RED stream's
 // time alone at a benchmark shape: the floor of a backward that adds each entry `dup` times.
 //   nvcc -O3 -std=c++17 -arch=sm_90a dev/red_bulk_bench.cu -o build/rbb && build/rbb [T K D S]...
-// `build/rbb floor T K D S DUP ...` times the backward's gathers and REDs alone and together.
+// `build/rbb floor [--orders given,sorted,waves] T K D S DUP ...` times the backward's gathers
+// and REDs alone and together, with the lists in each order.
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -149,15 +151,24 @@ __global__ void __launch_bounds__(128) move_floor(const uint4* kv, float* dkv, c
 }
 
 // The benchmark's lists on the GPU: T tokens at the end of S, each the 128-row window ending at
-// it, then random rows of [0, S) (repeats allowed), K entries.
-static int* device_lists(int T, int K, int S) {
+// it, then random rows of [0, S) (repeats allowed), K entries. Order: as made ("given"), each list
+// ascending ("sorted"), or ascending with every other wave of `wave` tokens descending ("waves":
+// what the library's row-order kernel does past the L2, where a wave is the tokens whose CTAs
+// are resident at once).
+enum class Order { given, sorted, waves };
+static const char* order_name(Order o) {
+  return o == Order::given ? "given" : o == Order::sorted ? "sorted" : "waves";
+}
+static int* device_lists(int T, int K, int S, Order order = Order::given, int wave = 1) {
   const int window = 128;
   std::vector<int> h((size_t)T * K);
   srand(1);
   for (int t = 0; t < T; ++t) {
     int pos = S - T + t;
-    for (int j = 0; j < K; ++j)
-      h[(size_t)t * K + j] = j < window ? pos - window + 1 + j : rand() % S;
+    int* list = h.data() + (size_t)t * K;
+    for (int j = 0; j < K; ++j) list[j] = j < window ? pos - window + 1 + j : rand() % S;
+    if (order == Order::sorted || order == Order::waves) std::sort(list, list + K);
+    if (order == Order::waves && (t / wave) % 2 == 1) std::reverse(list, list + K);
   }
   int* idx;
   cudaMalloc(&idx, h.size() * 4);
@@ -166,11 +177,15 @@ static int* device_lists(int T, int K, int S) {
 }
 
 // The movement floor at a benchmark shape: T tokens of K entries at the end of S, dup CTAs per
-// token (2 at H = 128).
+// token (2 at H = 128), the lists in `order`. Three residencies: full occupancy (up to 16 CTAs
+// per SM), 2 CTAs per SM (8 warps issuing, as the backward's two consumer warpgroups) and 1 CTA
+// per SM (the backward's residency, so its waves of SMs / dup tokens); with order "waves" each
+// residency gets lists whose waves are its own resident tokens.
 template <int D>
-void measure_floor(int T, int K, int S, int dup) {
+void measure_floor(int T, int K, int S, int dup, Order order) {
   constexpr int CH = D * 2 / 16;
-  int* idx = device_lists(T, K, S);
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   float* dkv;
   uint4 *kv, *qdo, *dq, *sink;
   cudaMalloc(&dkv, (size_t)S * D * 4);
@@ -183,24 +198,31 @@ void measure_floor(int T, int K, int S, int dup) {
   cudaMalloc(&sink, 16);
   const int ctas = T * dup;
   const double g_gb = (double)ctas * K * D * 2 / 1e9, r_gb = (double)ctas * K * D * 4 / 1e9;
-  // full occupancy (up to 16 CTAs per SM), then 2 CTAs per SM (100 KB of unused shared memory
-  // each): 8 warps issuing, as the backward's two consumer warpgroups
-  for (int smem : {0, 100 * 1024}) {
-    auto args = [&](auto kernel) {
+  for (int smem : {0, 100 * 1024, 200 * 1024}) {
+    auto set = [&](auto kernel) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    };
+    set(move_floor<D, true, true>);
+    set(move_floor<D, true, false>);
+    set(move_floor<D, false, true>);
+    int per_sm = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, move_floor<D, true, true>, 128, smem);
+    const int wave = std::max(1, sms * per_sm / dup);
+    int* idx = device_lists(T, K, S, order, wave);
+    auto args = [&](auto kernel) {
       kernel<<<ctas, 128, smem>>>(kv, dkv, idx, K, dup, qdo, dq, sink);
     };
     for (int i = 0; i < 2; ++i) args(move_floor<D, true, true>);
     const float tg = median_ms([&] { args(move_floor<D, true, false>); }, 5);
     const float tr = median_ms([&] { args(move_floor<D, false, true>); }, 5);
     const float tb = median_ms([&] { args(move_floor<D, true, true>); }, 5);
-    printf("floor T %d K %d D %d S %6d, %d CTAs per token, %s: gathers %.1f GB %.3f ms | REDs "
-           "%.1f GB %.3f ms | both %.3f ms (%.2f TB/s) | %s\n", T, K, D, S, dup,
-           smem ? "8 warps per SM " : "full occupancy", g_gb, tg, r_gb, tr, tb,
-           (g_gb + r_gb) / tb, cudaGetErrorString(cudaGetLastError()));
+    printf("floor T %d K %d D %d S %6d, %d CTAs per token, %2d CTAs per SM, lists %-6s: gathers "
+           "%.1f GB %.3f ms | REDs %.1f GB %.3f ms | both %.3f ms (%.2f TB/s) | %s\n", T, K, D, S,
+           dup, per_sm, order_name(order), g_gb, tg, r_gb, tr, tb, (g_gb + r_gb) / tb,
+           cudaGetErrorString(cudaGetLastError()));
+    cudaFree(idx);
   }
-  for (void* p : {(void*)idx, (void*)dkv, (void*)kv, (void*)qdo, (void*)dq, (void*)sink})
-    cudaFree(p);
+  for (void* p : {(void*)dkv, (void*)kv, (void*)qdo, (void*)dq, (void*)sink}) cudaFree(p);
 }
 
 template <int D>
@@ -241,15 +263,27 @@ void measure(int T, int K, int S, bool check) {
 
 // Arguments: T K D S (D 512 or 576), several groups of four; default: the 1024-token check
 // at S 4K and 64K.
-// `floor T K D S DUP ...`: the movement floor (groups of five).
+// `floor [--orders LIST] T K D S DUP ...`: the movement floor (groups of five).
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IONBF, 0);
   if (argc > 1 && std::string(argv[1]) == "floor") {
-    for (int a = 2; a + 4 < argc; a += 5) {
+    std::vector<Order> orders = {Order::given};
+    int a = 2;
+    if (argc > 3 && std::string(argv[2]) == "--orders") {  // e.g. --orders given,sorted,waves
+      orders.clear();
+      const std::string list = std::string(",") + argv[3] + ",";
+      for (Order o : {Order::given, Order::sorted, Order::waves})
+        if (list.find(std::string(",") + order_name(o) + ",") != std::string::npos)
+          orders.push_back(o);
+      a = 4;
+    }
+    for (; a + 4 < argc; a += 5) {
       int T = atoi(argv[a]), K = atoi(argv[a + 1]), D = atoi(argv[a + 2]), S = atoi(argv[a + 3]);
       int dup = atoi(argv[a + 4]);
-      if (D == 576) measure_floor<576>(T, K, S, dup);
-      else measure_floor<512>(T, K, S, dup);
+      for (Order o : orders) {
+        if (D == 576) measure_floor<576>(T, K, S, dup, o);
+        else measure_floor<512>(T, K, S, dup, o);
+      }
     }
     return 0;
   }
