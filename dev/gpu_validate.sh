@@ -7,8 +7,10 @@
 #                            [profile] [hotlines] [hotlines-layer] [hotlines-decode]
 #                                                                         (default: all tests)
 #
-# Each step has its own time limit (the backward tests take ~6 minutes: run them in their own
-# device call) and writes its full log to $OUT (or ./build/gpu); the summary lines are printed.
+# Each step has its own time limit (the backward tests take ~6 minutes on an H200, more than 9
+# on an H100: run them in their own device call) and writes its full log to $OUT (or
+# ./build/gpu); the summary lines are printed. WORKERS=4 runs the test steps under pytest-xdist
+# (tests/conftest.py splits the GPU's memory between the workers; -s output is not shown then).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"  # the examples import the source tree
@@ -19,10 +21,11 @@ steps=("$@")
 nvidia-smi -L
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 
-pytest_step() {  # name seconds files...
-  local name=$1 secs=$2
+pytest_step() {  # name seconds files...   (WORKERS=N: N pytest-xdist processes on the GPU)
+  local name=$1 secs=$2 par=()
   shift 2
-  timeout "$secs" python3 -m pytest -q -rf "$@" > "$out/$name.log" 2>&1
+  [ "${WORKERS:-1}" -gt 1 ] && par=(-n "$WORKERS")
+  timeout "$secs" python3 -m pytest -q -rf "${par[@]}" "$@" > "$out/$name.log" 2>&1
   rc=$?
   grep -E "passed|failed|FAILED|atomic dkv" "$out/$name.log" | tail -12
 }
