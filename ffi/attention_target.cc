@@ -123,13 +123,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaAttentionTargetSm90, jax_dsa::AttentionTarge
                                   .Ret<ffi::AnyBuffer>(),  // mass
                               {ffi::Traits::kCmdBufferCompatible});
 
-// Loads the target kernel modules now (on all devices), outside any CUDA graph capture.
-// Returns 0 or a cudaError_t code.
-extern "C" __attribute__((visibility("default"))) int JaxDsaTargetInit() {
-  return static_cast<int>(jax_dsa::TargetKernels().Load());
-}
-
-// Number of target kernels built into this library.
-extern "C" __attribute__((visibility("default"))) int JaxDsaTargetNumKernels() {
-  return jax_dsa::TargetKernels().size();
-}
+JAX_DSA_EXPORT_INIT(JaxDsaTargetInit, jax_dsa::TargetKernels())
+JAX_DSA_EXPORT_NUM_KERNELS(JaxDsaTargetNumKernels, jax_dsa::TargetKernels())

@@ -177,6 +177,20 @@ inline std::string CheckInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& kv
   return std::string();
 }
 
+// Loads the tables' kernel modules (each once, in order): the first CUDA error, or cudaSuccess.
+template <class... Tables>
+cudaError_t LoadTables(Tables&... tables) {
+  cudaError_t e = cudaSuccess;
+  ((e = e == cudaSuccess ? tables.Load() : e), ...);
+  return e;
+}
+
+// The number of kernels the tables hold.
+template <class... Tables>
+int CountKernels(Tables&... tables) {
+  return (0 + ... + tables.size());
+}
+
 // True when `buf` has exactly the extents `want`.
 inline bool HasDims(ffi::AnyBuffer::Dimensions d, std::initializer_list<int64_t> want) {
   if (d.size() != want.size()) return false;
@@ -200,3 +214,15 @@ inline ffi::Error LaunchStatus(const char* op, int32_t rc) {
 }
 
 }  // namespace jax_dsa
+
+// An op's C exports for the Python side (jax_dsa/cute/ffi.py): an Init export loads the tables'
+// modules now, on all devices and outside any CUDA graph capture (returns 0 or a cudaError_t
+// code); a NumKernels export returns how many kernels its tables hold (0: the op was not built).
+#define JAX_DSA_EXPORT_INIT(NAME, ...)                            \
+  extern "C" __attribute__((visibility("default"))) int NAME() { \
+    return static_cast<int>(jax_dsa::LoadTables(__VA_ARGS__));   \
+  }
+#define JAX_DSA_EXPORT_NUM_KERNELS(NAME, ...)                     \
+  extern "C" __attribute__((visibility("default"))) int NAME() { \
+    return jax_dsa::CountKernels(__VA_ARGS__);                   \
+  }

@@ -122,13 +122,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaGroupUnionSm90, jax_dsa::GroupUnion,
                                   .Ret<ffi::AnyBuffer>(),  // length
                               {ffi::Traits::kCmdBufferCompatible});
 
-// Loads the union kernel modules now (on all devices), outside any CUDA graph capture.
-// Returns 0 or a cudaError_t code.
-extern "C" __attribute__((visibility("default"))) int JaxDsaGroupUnionInit() {
-  return static_cast<int>(jax_dsa::UnionKernels().Load());
-}
-
-// Number of union kernels built into this library.
-extern "C" __attribute__((visibility("default"))) int JaxDsaGroupUnionNumKernels() {
-  return jax_dsa::UnionKernels().size();
-}
+JAX_DSA_EXPORT_INIT(JaxDsaGroupUnionInit, jax_dsa::UnionKernels())
+JAX_DSA_EXPORT_NUM_KERNELS(JaxDsaGroupUnionNumKernels, jax_dsa::UnionKernels())

@@ -215,14 +215,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaIndexerScoresSm90, jax_dsa::IndexerScores,
                                   .Ret<ffi::AnyBuffer>(),  // scores
                               {ffi::Traits::kCmdBufferCompatible});
 
-// Loads the indexer kernel modules now (on all devices), outside any CUDA graph capture.
-// Returns 0 or a cudaError_t code.
-extern "C" __attribute__((visibility("default"))) int JaxDsaIndexerInit() {
-  cudaError_t e = jax_dsa::IndexerKernels().Load();
-  return static_cast<int>(e != cudaSuccess ? e : jax_dsa::TopkKernels().Load());
-}
-
-// Number of indexer kernels (scores and top-k) built into this library.
-extern "C" __attribute__((visibility("default"))) int JaxDsaIndexerNumKernels() {
-  return jax_dsa::IndexerKernels().size() + jax_dsa::TopkKernels().size();
-}
+JAX_DSA_EXPORT_INIT(JaxDsaIndexerInit, jax_dsa::IndexerKernels(), jax_dsa::TopkKernels())
+JAX_DSA_EXPORT_NUM_KERNELS(JaxDsaIndexerNumKernels, jax_dsa::IndexerKernels(),  // scores and
+                           jax_dsa::TopkKernels())                              // top-k

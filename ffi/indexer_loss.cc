@@ -257,14 +257,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaIndexerLossBwdSm90, jax_dsa::IndexerLossBwd,
                                   .Ret<ffi::AnyBuffer>(),  // dk
                               {ffi::Traits::kCmdBufferCompatible});
 
-// Loads the indexer-loss kernel modules now (on all devices), outside any CUDA graph capture.
-// Returns 0 or a cudaError_t code.
-extern "C" __attribute__((visibility("default"))) int JaxDsaLossInit() {
-  cudaError_t e = jax_dsa::LossFwdKernels().Load();
-  return static_cast<int>(e != cudaSuccess ? e : jax_dsa::LossBwdKernels().Load());
-}
-
-// Number of indexer-loss kernels (forward and backward) built into this library.
-extern "C" __attribute__((visibility("default"))) int JaxDsaLossNumKernels() {
-  return jax_dsa::LossFwdKernels().size() + jax_dsa::LossBwdKernels().size();
-}
+JAX_DSA_EXPORT_INIT(JaxDsaLossInit, jax_dsa::LossFwdKernels(), jax_dsa::LossBwdKernels())
+JAX_DSA_EXPORT_NUM_KERNELS(JaxDsaLossNumKernels, jax_dsa::LossFwdKernels(),  // forward and
+                           jax_dsa::LossBwdKernels())                        // backward

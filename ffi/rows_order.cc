@@ -114,13 +114,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaRowsOrderSm90, jax_dsa::RowsOrder,
                                   .Ret<ffi::AnyBuffer>(),  // count
                               {ffi::Traits::kCmdBufferCompatible});
 
-// Loads the kernel module now (on all devices), outside any CUDA graph capture.
-// Returns 0 or a cudaError_t code.
-extern "C" __attribute__((visibility("default"))) int JaxDsaRowsOrderInit() {
-  return static_cast<int>(jax_dsa::RowsKernels().Load());
-}
-
-// Number of row-order kernels built into this library (0 or 1).
-extern "C" __attribute__((visibility("default"))) int JaxDsaRowsOrderNumKernels() {
-  return jax_dsa::RowsKernels().size();
-}
+JAX_DSA_EXPORT_INIT(JaxDsaRowsOrderInit, jax_dsa::RowsKernels())
+JAX_DSA_EXPORT_NUM_KERNELS(JaxDsaRowsOrderNumKernels, jax_dsa::RowsKernels())  // 0 or 1

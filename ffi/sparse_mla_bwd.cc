@@ -144,14 +144,6 @@ KernelTable<ReduceArgs>& ReduceKernels() {
   return table;
 }
 
-// Loads every backward and reduction module once.
-cudaError_t LoadAllBwd() {
-  cudaError_t e = BwdKernels().Load();
-  if (e == cudaSuccess) e = Bwd2Kernels().Load();
-  if (e == cudaSuccess) e = ReduceKernels().Load();
-  return e;
-}
-
 // Export prefix of the backward: form "" (atomic), "det_" or "g<G>_".
 std::string BwdName(const std::string& form, bool bf16, int64_t d_qk) {
   return "jax_dsa_bwd_" + form + (bf16 ? "bf16" : "f16") + "_d" + std::to_string(d_qk);
@@ -247,7 +239,7 @@ std::string CheckBwd(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer idx,
 
 // Sets the device, loads the modules and zero-fills the fp32 dkv accumulator on XLA's stream.
 ffi::Error Prepare(const char* op, cudaStream_t stream, ffi::Result<ffi::AnyBuffer>& dkv) {
-  cudaError_t le = LoadAllBwd();
+  cudaError_t le = LoadTables(BwdKernels(), Bwd2Kernels(), ReduceKernels());
   if (le != cudaSuccess)
     return ffi::Error::Internal(std::string("jax_dsa: loading the backward kernels failed: ") +
                                 cudaGetErrorString(le));
@@ -535,19 +527,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaSparseMlaBwdDeterministicSm90,
                                   .Ret<ffi::AnyBuffer>(),  // workspace
                               {ffi::Traits::kCmdBufferCompatible});
 
-// Loads every backward kernel module now (on all devices), outside any CUDA graph capture.
-// Returns 0 or a cudaError_t code.
-extern "C" __attribute__((visibility("default"))) int JaxDsaBwdInit() {
-  return static_cast<int>(jax_dsa::LoadAllBwd());
-}
-
-// Number of backward specializations built into this library; lets the Python side tell
-// whether the backward kernels are available.
-extern "C" __attribute__((visibility("default"))) int JaxDsaBwdNumKernels() {
-  return jax_dsa::BwdKernels().size();
-}
-
-// Number of two-pool backward specializations built into this library.
-extern "C" __attribute__((visibility("default"))) int JaxDsaBwdTwoPoolNumKernels() {
-  return jax_dsa::Bwd2Kernels().size();
-}
+JAX_DSA_EXPORT_INIT(JaxDsaBwdInit, jax_dsa::BwdKernels(), jax_dsa::Bwd2Kernels(),
+                    jax_dsa::ReduceKernels())  // every backward and reduction kernel
+// The plain backward's specializations, and the two-pool backward's.
+JAX_DSA_EXPORT_NUM_KERNELS(JaxDsaBwdNumKernels, jax_dsa::BwdKernels())
+JAX_DSA_EXPORT_NUM_KERNELS(JaxDsaBwdTwoPoolNumKernels, jax_dsa::Bwd2Kernels())

@@ -393,17 +393,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxDsaSparseMlaFwdSm90, jax_dsa::SparseMlaFwd,
                                   .Ret<ffi::AnyBuffer>(),  // lse
                               {ffi::Traits::kCmdBufferCompatible});
 
-// Loads every forward kernel module now (on all devices), outside any CUDA graph capture.
-// Returns 0 or a cudaError_t code.
-extern "C" __attribute__((visibility("default"))) int JaxDsaInit() {
-  cudaError_t e = jax_dsa::FwdKernels().Load();
-  if (e == cudaSuccess) e = jax_dsa::FwdSplitKernels().Load();
-  if (e == cudaSuccess) e = jax_dsa::CombineKernels().Load();
-  if (e == cudaSuccess) e = jax_dsa::Fwd2Kernels().Load();
-  return static_cast<int>(e);
-}
-
-// Number of two-pool forward specializations built into this library.
-extern "C" __attribute__((visibility("default"))) int JaxDsaFwdTwoPoolNumKernels() {
-  return jax_dsa::Fwd2Kernels().size();
-}
+JAX_DSA_EXPORT_INIT(JaxDsaInit, jax_dsa::FwdKernels(), jax_dsa::FwdSplitKernels(),
+                    jax_dsa::CombineKernels(), jax_dsa::Fwd2Kernels())  // every forward kernel
+JAX_DSA_EXPORT_NUM_KERNELS(JaxDsaFwdTwoPoolNumKernels, jax_dsa::Fwd2Kernels())
