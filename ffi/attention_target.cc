@@ -77,11 +77,7 @@ ffi::Error AttentionTarget(cudaStream_t stream, int32_t device, ffi::AnyBuffer q
   if (launch == nullptr)
     return ffi::Error::Internal("jax_dsa attention_target: no kernel " + name + " was built");
   DeviceGuard guard(device);
-  if (!guard.ok()) return ffi::Error::Internal("jax_dsa attention_target: cudaSetDevice failed");
-  cudaError_t le = TargetKernels().Load();
-  if (le != cudaSuccess)
-    return ffi::Error::Internal(std::string("jax_dsa: loading the kernels failed: ") +
-                                cudaGetErrorString(le));
+  if (ffi::Error e = UseDevice("attention_target", guard, TargetKernels()); e.failure()) return e;
 
   if (poison) cudaMemsetAsync(mass->untyped_data(), 0xFF, mass->size_bytes(), stream);
 

@@ -191,6 +191,20 @@ int CountKernels(Tables&... tables) {
   return (0 + ... + tables.size());
 }
 
+// A handler's device and modules before its first CUDA call: `guard` (alive until the handler
+// returns) must have made the device current, then the tables' modules are loaded (once).
+// Success, or the ffi::Error naming `op`.
+template <class... Tables>
+ffi::Error UseDevice(const char* op, const DeviceGuard& guard, Tables&... tables) {
+  if (!guard.ok())
+    return ffi::Error::Internal(std::string("jax_dsa ") + op + ": cudaSetDevice failed");
+  cudaError_t e = LoadTables(tables...);
+  if (e != cudaSuccess)
+    return ffi::Error::Internal(std::string("jax_dsa ") + op + ": loading the kernels failed: " +
+                                cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
 // True when `buf` has exactly the extents `want`.
 inline bool HasDims(ffi::AnyBuffer::Dimensions d, std::initializer_list<int64_t> want) {
   if (d.size() != want.size()) return false;

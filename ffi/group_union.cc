@@ -95,11 +95,7 @@ ffi::Error GroupUnion(cudaStream_t stream, int32_t device, ffi::AnyBuffer idx,
                                 std::to_string(group) + "_t* for G * K = " +
                                 std::to_string(group * K) + " was built");
   DeviceGuard guard(device);
-  if (!guard.ok()) return ffi::Error::Internal("jax_dsa group_union: cudaSetDevice failed");
-  cudaError_t le = UnionKernels().Load();
-  if (le != cudaSuccess)
-    return ffi::Error::Internal(std::string("jax_dsa group_union: loading the kernel failed: ") +
-                                cudaGetErrorString(le));
+  if (ffi::Error e = UseDevice("group_union", guard, UnionKernels()); e.failure()) return e;
   if (B * n == 0) return ffi::Error::Success();
   UnionArgs a{idx.untyped_data(), topk_length.untyped_data(), packed->untyped_data(),
               length->untyped_data(), B * T * K, B * T, B * n * group * K, B * n,

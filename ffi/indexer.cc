@@ -97,11 +97,7 @@ ffi::Error IndexerScores(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, 
   if (launch == nullptr)
     return ffi::Error::Internal("jax_dsa indexer_scores: no kernel " + name + " was built");
   DeviceGuard guard(device);
-  if (!guard.ok()) return ffi::Error::Internal("jax_dsa indexer_scores: cudaSetDevice failed");
-  cudaError_t le = IndexerKernels().Load();
-  if (le != cudaSuccess)
-    return ffi::Error::Internal(std::string("jax_dsa: loading the kernels failed: ") +
-                                cudaGetErrorString(le));
+  if (ffi::Error e = UseDevice("indexer_scores", guard, IndexerKernels()); e.failure()) return e;
 
   if (poison) cudaMemsetAsync(scores->untyped_data(), 0xFF, scores->size_bytes(), stream);
 
@@ -178,11 +174,7 @@ ffi::Error IndexerTopk(cudaStream_t stream, int32_t device, ffi::AnyBuffer score
     return ffi::Error::Internal("jax_dsa indexer_topk: no top-k kernel for topk " +
                                 std::to_string(topk) + " was built");
   DeviceGuard guard(device);
-  if (!guard.ok()) return ffi::Error::Internal("jax_dsa indexer_topk: cudaSetDevice failed");
-  cudaError_t le = TopkKernels().Load();
-  if (le != cudaSuccess)
-    return ffi::Error::Internal(std::string("jax_dsa: loading the kernels failed: ") +
-                                cudaGetErrorString(le));
+  if (ffi::Error e = UseDevice("indexer_topk", guard, TopkKernels()); e.failure()) return e;
   TopkArgs a{scores.untyped_data(), idx->untyped_data(), values->untyped_data(), B * T * S,
              B * T * topk, static_cast<int32_t>(B * T), static_cast<int32_t>(S), topk};
   return LaunchStatus("indexer_topk", launch(a, stream));

@@ -158,7 +158,7 @@ std::string CheckGradients(const ffi::AnyBuffer& g, const ffi::AnyBuffer& dq,
   return std::string();
 }
 
-// The launcher of `part`'s kernel for q's dtype after loading the modules, or an error.
+// The launcher of `part`'s kernel for q's dtype, or an error.
 ffi::Error FindKernel(KernelTable<LossArgs>& table, const char* part, ffi::DataType dt,
                       KernelTable<LossArgs>::Launch* launch) {
   const std::string name = std::string("jax_dsa_indexer_loss_") + part + "_" +
@@ -166,10 +166,6 @@ ffi::Error FindKernel(KernelTable<LossArgs>& table, const char* part, ffi::DataT
   *launch = table.Find(name);
   if (*launch == nullptr)
     return ffi::Error::Internal("jax_dsa indexer_loss: no kernel " + name + " was built");
-  cudaError_t le = table.Load();
-  if (le != cudaSuccess)
-    return ffi::Error::Internal(std::string("jax_dsa: loading the kernels failed: ") +
-                                cudaGetErrorString(le));
   return ffi::Error::Success();
 }
 
@@ -187,11 +183,11 @@ ffi::Error IndexerLossFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
     msg = "signal must be float32 [B, T, K], got " + Dims(signal->dimensions());
   if (!msg.empty()) return ffi::Error::InvalidArgument("jax_dsa indexer_loss: " + msg);
   if (a.n_tok == 0) return ffi::Error::Success();
-  DeviceGuard guard(device);
-  if (!guard.ok()) return ffi::Error::Internal("jax_dsa indexer_loss: cudaSetDevice failed");
   KernelTable<LossArgs>::Launch launch;
   ffi::Error found = FindKernel(LossFwdKernels(), "fwd", q.element_type(), &launch);
   if (found.failure()) return found;
+  DeviceGuard guard(device);
+  if (ffi::Error e = UseDevice("indexer_loss", guard, LossFwdKernels()); e.failure()) return e;
   a.out = kl->untyped_data();
   a.signal = signal->untyped_data();
   return LaunchStatus("indexer_loss", launch(a, stream));
@@ -208,11 +204,12 @@ ffi::Error IndexerLossBwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
   if (msg.empty()) msg = CheckGradients(g, *dq, *dw, *dk, a);
   if (!msg.empty())
     return ffi::Error::InvalidArgument("jax_dsa indexer_loss backward: " + msg);
-  DeviceGuard guard(device);
-  if (!guard.ok()) return ffi::Error::Internal("jax_dsa indexer_loss: cudaSetDevice failed");
   KernelTable<LossArgs>::Launch launch;
   ffi::Error found = FindKernel(LossBwdKernels(), "bwd", q.element_type(), &launch);
   if (found.failure()) return found;
+  DeviceGuard guard(device);
+  if (ffi::Error e = UseDevice("indexer_loss backward", guard, LossBwdKernels()); e.failure())
+    return e;
   cudaMemsetAsync(dk->untyped_data(), 0, dk->size_bytes(), stream);
   if (a.n_tok == 0) return LaunchStatus("indexer_loss backward", 0);
   a.g = g.untyped_data();

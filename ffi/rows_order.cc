@@ -73,11 +73,7 @@ ffi::Error RowsOrder(cudaStream_t stream, int32_t device, ffi::AnyBuffer idx,
   if (launch == nullptr)
     return ffi::Error::Internal("jax_dsa rows_order: no kernel jax_dsa_rows_order was built");
   DeviceGuard guard(device);
-  if (!guard.ok()) return ffi::Error::Internal("jax_dsa rows_order: cudaSetDevice failed");
-  cudaError_t le = RowsKernels().Load();
-  if (le != cudaSuccess)
-    return ffi::Error::Internal(std::string("jax_dsa rows_order: loading the kernel failed: ") +
-                                cudaGetErrorString(le));
+  if (ffi::Error e = UseDevice("rows_order", guard, RowsKernels()); e.failure()) return e;
   if (B * T == 0) return ffi::Error::Success();
   if (K == 0) {  // no entries: every count is 0
     cudaError_t me = cudaMemsetAsync(count->untyped_data(), 0, count->size_bytes(), stream);

@@ -237,12 +237,13 @@ std::string CheckBwd(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer idx,
   return std::string();
 }
 
-// Sets the device, loads the modules and zero-fills the fp32 dkv accumulator on XLA's stream.
-ffi::Error Prepare(const char* op, cudaStream_t stream, ffi::Result<ffi::AnyBuffer>& dkv) {
-  cudaError_t le = LoadTables(BwdKernels(), Bwd2Kernels(), ReduceKernels());
-  if (le != cudaSuccess)
-    return ffi::Error::Internal(std::string("jax_dsa: loading the backward kernels failed: ") +
-                                cudaGetErrorString(le));
+// After `guard` set the device: loads every backward and reduction module (once) and zero-fills
+// the fp32 dkv accumulator on XLA's stream.
+ffi::Error Prepare(const char* op, const DeviceGuard& guard, cudaStream_t stream,
+                   ffi::Result<ffi::AnyBuffer>& dkv) {
+  if (ffi::Error e = UseDevice(op, guard, BwdKernels(), Bwd2Kernels(), ReduceKernels());
+      e.failure())
+    return e;
   if (dkv->size_bytes() > 0) {
     cudaError_t me = cudaMemsetAsync(dkv->untyped_data(), 0, dkv->size_bytes(), stream);
     if (me != cudaSuccess)
@@ -271,8 +272,7 @@ ffi::Error RunAtomicBwd(const char* op, const std::string& form, cudaStream_t st
     return ffi::Error::Internal(std::string("jax_dsa ") + op + ": no kernel " + name +
                                 " was built");
   DeviceGuard guard(device);
-  if (!guard.ok()) return ffi::Error::Internal(std::string("jax_dsa ") + op + ": cudaSetDevice failed");
-  if (ffi::Error e = Prepare(op, stream, dkv); e.failure()) return e;
+  if (ffi::Error e = Prepare(op, guard, stream, dkv); e.failure()) return e;
   if (x.B == 0 || x.T == 0) return ffi::Error::Success();
   return LaunchStatus(op, launch(a, stream));
 }
@@ -364,8 +364,7 @@ ffi::Error SparseMlaBwdTwoPool(cudaStream_t stream, int32_t device, ffi::AnyBuff
     return ffi::Error::Internal(std::string("jax_dsa ") + op + ": no kernel " + name +
                                 " was built");
   DeviceGuard guard(device);
-  if (!guard.ok()) return ffi::Error::Internal(std::string("jax_dsa ") + op + ": cudaSetDevice failed");
-  if (ffi::Error e = Prepare(op, stream, dkv); e.failure()) return e;
+  if (ffi::Error e = Prepare(op, guard, stream, dkv); e.failure()) return e;
   if (dsink->size_bytes() > 0) {
     cudaError_t me = cudaMemsetAsync(dsink->untyped_data(), 0, dsink->size_bytes(), stream);
     if (me != cudaSuccess)
@@ -416,8 +415,7 @@ ffi::Error SparseMlaBwdDeterministic(cudaStream_t stream, int32_t device, ffi::A
     return ffi::Error::Internal(std::string("jax_dsa ") + op +
                                 ": the deterministic kernels were not built for this dtype/Dqk");
   DeviceGuard guard(device);
-  if (!guard.ok()) return ffi::Error::Internal(std::string("jax_dsa ") + op + ": cudaSetDevice failed");
-  if (ffi::Error e = Prepare(op, stream, dkv); e.failure()) return e;
+  if (ffi::Error e = Prepare(op, guard, stream, dkv); e.failure()) return e;
 
   a.dkv = ws->untyped_data();
   a.rows_dkv = wd[0];

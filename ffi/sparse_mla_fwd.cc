@@ -159,14 +159,6 @@ std::string KernelName(const std::string& kernel, ffi::DataType dt, int64_t d) {
          std::to_string(d);
 }
 
-// Loads the table's kernels (on the current device); an empty string or the message.
-template <class Table>
-std::string Load(Table& table) {
-  cudaError_t e = table.Load();
-  if (e != cudaSuccess) return std::string("loading the kernels failed: ") + cudaGetErrorString(e);
-  return "";
-}
-
 void Poison(cudaStream_t stream, ffi::Result<ffi::AnyBuffer>& o,
             ffi::Result<ffi::AnyBuffer>& lse) {  // all-ones bytes are NaN in bf16, f16 and f32
   cudaMemsetAsync(o->untyped_data(), 0xFF, o->size_bytes(), stream);
@@ -222,8 +214,7 @@ ffi::Error SparseMlaFwd(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
   if (launch == nullptr)
     return ffi::Error::Internal("jax_dsa sparse_mla_fwd: no kernel " + name + " was built");
   DeviceGuard guard(device);
-  problem = guard.ok() ? Load(FwdKernels()) : "cudaSetDevice failed";
-  if (!problem.empty()) return ffi::Error::Internal("jax_dsa sparse_mla_fwd: " + problem);
+  if (ffi::Error e = UseDevice("sparse_mla_fwd", guard, FwdKernels()); e.failure()) return e;
   if (poison) Poison(stream, o, lse);
 
   const FwdArgs a = MakeFwdArgs(q, kv, idx, topk_length, sink, o->untyped_data(),
@@ -270,9 +261,10 @@ ffi::Error SparseMlaFwdSplit(cudaStream_t stream, int32_t device, ffi::AnyBuffer
     return ffi::Error::Internal("jax_dsa sparse_mla_fwd_split: no kernel " +
                                 (launch == nullptr ? name : combine_name) + " was built");
   DeviceGuard guard(device);
-  problem = guard.ok() ? Load(FwdSplitKernels()) : "cudaSetDevice failed";
-  if (problem.empty()) problem = Load(CombineKernels());
-  if (!problem.empty()) return ffi::Error::Internal("jax_dsa sparse_mla_fwd_split: " + problem);
+  if (ffi::Error e = UseDevice("sparse_mla_fwd_split", guard, FwdSplitKernels(),
+                               CombineKernels());
+      e.failure())
+    return e;
   if (poison) {
     Poison(stream, o, lse);
     Poison(stream, o_parts, lse_parts);
@@ -321,9 +313,8 @@ ffi::Error SparseMlaFwdTwoPool(cudaStream_t stream, int32_t device, ffi::AnyBuff
     return ffi::Error::Internal("jax_dsa sparse_mla_fwd_two_pool: no kernel " + name +
                                 " was built");
   DeviceGuard guard(device);
-  problem = guard.ok() ? Load(Fwd2Kernels()) : "cudaSetDevice failed";
-  if (!problem.empty())
-    return ffi::Error::Internal("jax_dsa sparse_mla_fwd_two_pool: " + problem);
+  if (ffi::Error e = UseDevice("sparse_mla_fwd_two_pool", guard, Fwd2Kernels()); e.failure())
+    return e;
   if (poison) Poison(stream, o, lse);
 
   Fwd2Args y;
