@@ -76,7 +76,8 @@ from jax_dsa.cute.constants import MEMBER_SHIFT as GROUP_SHIFT, PERMUTED_DKV_DIM
 from .common import (LOG2_E, acc_mn_view, bwd_fake_args, bwd_two_pool_fake_args, chunk16,
                      compile_options, cp_async_16_policy, cp_async_16_zfill, gather_source,
                      l2_evict_first_policy, lane_opaque, ld_global_v4_b32_policy,
-                     load_block_indices, red_add_f32, red_add_v4_f32, st_global_v4_b32_policy,
+                     load_block_indices, prefetch_l2_bulk, red_add_f32, red_add_v4_f32,
+                     st_global_v4_b32_policy,
                      st_global_v4_f32, sw128_offset)
 from .scatter_layout import pair_rows_exchange
 
@@ -95,7 +96,8 @@ EPI1_BAR = 3
 class SparseMlaBwdSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
                  group: int = 1, red_evict_last: bool = False, wg0_chunks: int | None = None,
-                 early_release: bool = True, stream_evict_first: bool = False):
+                 early_release: bool = True, stream_evict_first: bool = False,
+                 l2_prefetch: int = 0):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -111,6 +113,11 @@ class SparseMlaBwdSm90:
         # they do not push out the kv rows and dkv lines that later blocks and CTAs reuse (the
         # `_long` builds at Dqk 512; docs/kernel_log.md, twenty-second session)
         self.stream_evict_first = stream_evict_first
+        # WG0 prefetches the next block's kv rows into the L2 (one bulk prefetch per row) right
+        # after issuing this block's S / dP, so that the gather after its dQ half finds them
+        # there: 0 off, 1 head block 0 of each token only, 2 every head block
+        assert l2_prefetch in (0, 1, 2)
+        self.l2_prefetch = l2_prefetch
         self.fold_scale = dtype is cutlass.BFloat16
         self.bm = 64  # heads per CTA
         self.bn = 64  # gathered KV rows per block
@@ -273,6 +280,30 @@ class SparseMlaBwdSm90:
                 # (grouped: the whole entry, bits included; readers decode it)
                 sRow[slot * self.bn + r] = entry if ok else cutlass.Int32(-1)
         return r, row, ok
+
+    @cute.jit
+    def _prefetch_rows(self, kv_src, idx_r: cute.Tensor, S: cutlass.Int32,
+                       kv_batch: cutlass.Int64, gsub: cutlass.Int32, hb: cutlass.Int32):
+        """L2 prefetch of the whole kv rows of this thread's gather entries (idx_r): of the 8
+        threads of a row group, thread gsub = p takes entry p; invalid entries read nothing."""
+        assert self.g_passes <= self.g_tpr
+        for p in cutlass.range_constexpr(self.g_passes):
+            entry = idx_r[p]
+            row = entry
+            if cutlass.const_expr(self.group > 1):
+                row = entry & ((1 << GROUP_SHIFT) - 1)
+            ok = entry >= 0 and row < S and gsub == p
+            if cutlass.const_expr(self.l2_prefetch == 1):
+                ok = ok and hb == 0
+            if cutlass.const_expr(len(kv_src) == 1):
+                src, _ = gather_source(kv_src[0], kv_batch, row, ok, self.d_qk * 2,
+                                       cutlass.Int64(0))
+            else:
+                kv_addr, base1, base2, s1 = kv_src
+                src, _ = gather_source(base1 if row < s1 else base2, kv_batch, row, ok,
+                                       self.d_qk * 2, cutlass.Int64(0))
+                src = src if ok else kv_addr
+            prefetch_l2_bulk(src, self.d_qk * 2, cutlass.Int32(ok))
 
     @cute.jit
     def _kv_source(self, mKV: cute.Tensor, pool2, b: cutlass.Int32, S: cutlass.Int32):
@@ -596,6 +627,9 @@ class SparseMlaBwdSm90:
                     cute.gemm(sdp_mma, acc_dP, tSrDO[None, None, k], tSrV[None, None, k],
                               acc_dP)
                 warpgroup.commit_group()
+                if cutlass.const_expr(self.l2_prefetch > 0):
+                    if blk + 1 < n_blocks:
+                        self._prefetch_rows(kv_src, idx_r, S, kv_batch, gsub, hb)
                 warpgroup.wait_group(0)
                 if blk == 0:  # D' += c delta (bf16: times scale), delta from WG1
                     cute.arch.barrier(barrier_id=DELTA_BAR, number_of_threads=self.threads)

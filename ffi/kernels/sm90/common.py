@@ -313,6 +313,16 @@ def red_add_v4_f32(ptr, a, b, c, d, *, evict_last: bool = False, pred=None, loc=
 
 
 @dsl_user_op
+def prefetch_l2_bulk(src_gmem, nbytes: int, pred, *, loc=None, ip=None):
+    """cp.async.bulk.prefetch.L2 of nbytes (a multiple of 16) at src_gmem (16-byte aligned
+    global memory) where pred (an Int32) != 0: the copy engine brings the bytes into the L2,
+    nothing waits for it, no shared memory is written."""
+    _asm(f"{{ .reg .pred p; setp.ne.b32 p, $1, 0; @p cp.async.bulk.prefetch.L2.global [$0], "
+         f"{int(nbytes)}; }}", "l,r",
+         [_ir(src_gmem, loc, ip), cutlass.Int32(pred).ir_value(loc=loc, ip=ip)], loc, ip)
+
+
+@dsl_user_op
 def red_add_f32(ptr, a, *, loc=None, ip=None):
     """red.global.add.f32 [ptr], a (ptr 4-byte aligned global memory)."""
     _asm("red.relaxed.gpu.global.add.f32 [$0], $1;", "l,f",
