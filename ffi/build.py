@@ -49,9 +49,10 @@ def _constants():
 # holds at least LONG_DKV_MIN_BYTES (beyond the H200's 60 MB L2): evict-last dKV REDs at Dqk 512
 # (-2 to -5 % at S 64K) and Q / dO / O / dQ evict-first (-3 to -7 % at the V4 layer shapes,
 # H100); at 576 three dKV chunks in WG0 and ds_empty after WG1's last scatter
-# (the default's four chunks and early release are 2.4 % slower at S 128K; docs/kernel_log.md).
+# (the default's four chunks and early release are 2.4 % slower at S 128K) and the next block's
+# rows prefetched into the L2 (-3 % at V3.2 S 128K, H100; flat at 512; docs/kernel_log.md).
 LONG_BWD_TUNING = {512: dict(red_evict_last=True, stream_evict_first=True),
-                   576: dict(wg0_chunks=3, early_release=False)}
+                   576: dict(wg0_chunks=3, early_release=False, l2_prefetch=True)}
 
 
 def exports():

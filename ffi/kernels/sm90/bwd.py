@@ -44,7 +44,10 @@ rowsum(dO O) per row (O from global) while WG0 runs block 0's S and dP, and WG0 
 L2 policies (ffi/build.py LONG_BWD_TUNING, the `_long` builds the handler runs once the fp32 dkv
 outgrows the L2): at Dqk 512 the dKV REDs are evict-last, and Q, dO and O (read once) and dQ
 (written once) evict-first, so that these streams do not push out the kv and dkv lines that
-later blocks and CTAs reuse.
+later blocks and CTAs reuse; at Dqk 576 WG0 prefetches the next block's rows into the L2 (one
+bulk prefetch per row) right after issuing a block's S / dP, so its gather after the dQ half
+finds them there. Every head block of a token prefetches: with head block 0 alone the pair
+drifts apart and the whole backward was 15-30 % slower (docs/kernel_log.md).
 Epilogue: each warpgroup stages its dQ columns in the KV columns it last read and stores them
 behind a barrier of its own 128 threads, so WG0's store runs under WG1's last dKV chunks.
 Shared memory: Q 72 KB + dO 64 KB + one KV stage 72 KB + P and dS 16 KB + row slots = 224.5 KB
@@ -97,7 +100,7 @@ class SparseMlaBwdSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
                  group: int = 1, red_evict_last: bool = False, wg0_chunks: int | None = None,
                  early_release: bool = True, stream_evict_first: bool = False,
-                 l2_prefetch: int = 0):
+                 l2_prefetch: bool = False):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -113,10 +116,10 @@ class SparseMlaBwdSm90:
         # they do not push out the kv rows and dkv lines that later blocks and CTAs reuse (the
         # `_long` builds at Dqk 512; docs/kernel_log.md, twenty-second session)
         self.stream_evict_first = stream_evict_first
-        # WG0 prefetches the next block's kv rows into the L2 (one bulk prefetch per row) right
-        # after issuing this block's S / dP, so that the gather after its dQ half finds them
-        # there: 0 off, 1 head block 0 of each token only, 2 every head block
-        assert l2_prefetch in (0, 1, 2)
+        # WG0 prefetches the next block's kv rows into the L2 (one bulk prefetch per row, in
+        # every head block) right after issuing this block's S / dP, so that the gather after
+        # its dQ half finds them there (the `_long` builds at Dqk 576; docs/kernel_log.md,
+        # thirtieth session)
         self.l2_prefetch = l2_prefetch
         self.fold_scale = dtype is cutlass.BFloat16
         self.bm = 64  # heads per CTA
@@ -283,7 +286,7 @@ class SparseMlaBwdSm90:
 
     @cute.jit
     def _prefetch_rows(self, kv_src, idx_r: cute.Tensor, S: cutlass.Int32,
-                       kv_batch: cutlass.Int64, gsub: cutlass.Int32, hb: cutlass.Int32):
+                       kv_batch: cutlass.Int64, gsub: cutlass.Int32):
         """L2 prefetch of the whole kv rows of this thread's gather entries (idx_r): of the 8
         threads of a row group, thread gsub = p takes entry p; invalid entries read nothing."""
         assert self.g_passes <= self.g_tpr
@@ -293,8 +296,6 @@ class SparseMlaBwdSm90:
             if cutlass.const_expr(self.group > 1):
                 row = entry & ((1 << GROUP_SHIFT) - 1)
             ok = entry >= 0 and row < S and gsub == p
-            if cutlass.const_expr(self.l2_prefetch == 1):
-                ok = ok and hb == 0
             if cutlass.const_expr(len(kv_src) == 1):
                 src, _ = gather_source(kv_src[0], kv_batch, row, ok, self.d_qk * 2,
                                        cutlass.Int64(0))
@@ -627,9 +628,9 @@ class SparseMlaBwdSm90:
                     cute.gemm(sdp_mma, acc_dP, tSrDO[None, None, k], tSrV[None, None, k],
                               acc_dP)
                 warpgroup.commit_group()
-                if cutlass.const_expr(self.l2_prefetch > 0):
+                if cutlass.const_expr(self.l2_prefetch):
                     if blk + 1 < n_blocks:
-                        self._prefetch_rows(kv_src, idx_r, S, kv_batch, gsub, hb)
+                        self._prefetch_rows(kv_src, idx_r, S, kv_batch, gsub)
                 warpgroup.wait_group(0)
                 if blk == 0:  # D' += c delta (bf16: times scale), delta from WG1
                     cute.arch.barrier(barrier_id=DELTA_BAR, number_of_threads=self.threads)
@@ -1185,7 +1186,7 @@ class SparseMlaBwdTwoPoolSm90(SparseMlaBwdSm90):
 
 def compile_bwd_two_pool(dtype, d_qk: int, d_v: int = 512, **tuning):
     """Compile the two-pool backward with fake tensors (common.bwd_two_pool_fake_args);
-    `tuning`: red_evict_last, wg0_chunks, early_release, stream_evict_first
+    `tuning`: red_evict_last, wg0_chunks, early_release, stream_evict_first, l2_prefetch
     (SparseMlaBwdSm90)."""
     return cute.compile(SparseMlaBwdTwoPoolSm90(dtype, d_qk, d_v, **tuning),
                         *bwd_two_pool_fake_args(dtype, d_qk, d_v))
@@ -1195,7 +1196,7 @@ def compile_bwd(dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
                 group: int = 1, options: str | None = None, **tuning):
     """Compile one specialization with fake (shape-only) tensors (common.bwd_fake_args); no GPU
     needed. `tuning`: red_evict_last, wg0_chunks (None: the default for d_qk), early_release,
-    stream_evict_first (SparseMlaBwdSm90). `options`: extra cute.compile options, e.g.
+    stream_evict_first, l2_prefetch (SparseMlaBwdSm90). `options`: extra cute.compile options, e.g.
     "--ptxas-options '-v'"."""
     return cute.compile(SparseMlaBwdSm90(dtype, d_qk, d_v, deterministic, group=group, **tuning),
                         *bwd_fake_args(dtype, d_qk, d_v), **compile_options(options))
