@@ -296,15 +296,23 @@ class SparseMlaBwdSm90:
             if cutlass.const_expr(self.group > 1):
                 row = entry & ((1 << GROUP_SHIFT) - 1)
             ok = entry >= 0 and row < S and gsub == p
-            if cutlass.const_expr(len(kv_src) == 1):
-                src, _ = gather_source(kv_src[0], kv_batch, row, ok, self.d_qk * 2,
-                                       cutlass.Int64(0))
-            else:
-                kv_addr, base1, base2, s1 = kv_src
-                src, _ = gather_source(base1 if row < s1 else base2, kv_batch, row, ok,
-                                       self.d_qk * 2, cutlass.Int64(0))
-                src = src if ok else kv_addr
+            src, _ = self._row_source(kv_src, kv_batch, row, ok, cutlass.Int64(0))
             prefetch_l2_bulk(src, self.d_qk * 2, cutlass.Int32(ok))
+
+    @cute.jit
+    def _row_source(self, kv_src, kv_batch: cutlass.Int64, row: cutlass.Int32, ok,
+                    sub_bytes: cutlass.Int64):
+        """(global address, cp.async src-size) of the 16-byte chunk at sub_bytes of kv row
+        `row` (kv_src: _kv_source's tuple); an invalid entry's address is kv's own and its size
+        0, so that a copy from it reads nothing."""
+        if cutlass.const_expr(len(kv_src) == 1):
+            src, nbytes = gather_source(kv_src[0], kv_batch, row, ok, self.d_qk * 2, sub_bytes)
+        else:
+            kv_addr, base1, base2, s1 = kv_src
+            src, nbytes = gather_source(base1 if row < s1 else base2, kv_batch, row, ok,
+                                        self.d_qk * 2, sub_bytes)
+            src = src if ok else kv_addr
+        return src, nbytes
 
     @cute.jit
     def _kv_source(self, mKV: cute.Tensor, pool2, b: cutlass.Int32, S: cutlass.Int32):
@@ -338,14 +346,7 @@ class SparseMlaBwdSm90:
         (dbase: that slot of row grow in tile 0; kv_src: _kv_source's tuple)."""
         for p in cutlass.range_constexpr(self.g_passes):
             _, row, ok = self._gather_row(idx_r, p, S, grow, gsub, sRow, slot, write_rows)
-            if cutlass.const_expr(len(kv_src) == 1):
-                src, nbytes = gather_source(kv_src[0], kv_batch, row, ok, self.d_qk * 2,
-                                            cutlass.Int64(gsub * 16))
-            else:
-                kv_addr, base1, base2, s1 = kv_src
-                src, nbytes = gather_source(base1 if row < s1 else base2, kv_batch, row, ok,
-                                            self.d_qk * 2, cutlass.Int64(gsub * 16))
-                src = src if ok else kv_addr  # (an invalid entry's copy reads nothing)
+            src, nbytes = self._row_source(kv_src, kv_batch, row, ok, cutlass.Int64(gsub * 16))
             for i in cutlass.range_constexpr(n_chunks // self.g_tpr):
                 ct = c_lo // 8 + i
                 cp_async_16_zfill(dbase, src, nbytes,
