@@ -46,8 +46,8 @@ outgrows the L2): at Dqk 512 the dKV REDs are evict-last, and Q, dO and O (read 
 (written once) evict-first, so that these streams do not push out the kv and dkv lines that
 later blocks and CTAs reuse; at Dqk 576 WG0 prefetches the next block's rows into the L2 (one
 bulk prefetch per row) right after issuing a block's S / dP, so its gather after the dQ half
-finds them there. Every head block of a token prefetches: with head block 0 alone the pair
-drifts apart and the whole backward was 15-30 % slower (docs/kernel_log.md).
+finds them there. Every head block of a token prefetches: with head block 0 alone the whole
+backward was 15-30 % slower (most likely the pair drifts apart; docs/kernel_log.md).
 Epilogue: each warpgroup stages its dQ columns in the KV columns it last read and stores them
 behind a barrier of its own 128 threads, so WG0's store runs under WG1's last dKV chunks.
 Shared memory: Q 72 KB + dO 64 KB + one KV stage 72 KB + P and dS 16 KB + row slots = 224.5 KB
