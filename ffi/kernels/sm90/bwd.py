@@ -80,8 +80,7 @@ from .common import (LOG2_E, acc_mn_view, bwd_fake_args, bwd_two_pool_fake_args,
                      compile_options, cp_async_16_policy, cp_async_16_zfill, gather_source,
                      l2_evict_first_policy, lane_opaque, ld_global_v4_b32_policy,
                      load_block_indices, prefetch_l2_bulk, red_add_f32, red_add_v4_f32,
-                     st_global_v4_b32_policy,
-                     st_global_v4_f32, sw128_offset)
+                     st_global_v4_b32_policy, st_global_v4_f32, sw128_offset)
 from .scatter_layout import pair_rows_exchange
 
 
