@@ -266,6 +266,15 @@ class SparseMlaBwdSm90:
                 cute.make_rmem_tensor(self.g_passes, cutlass.Int32))
 
     @cute.jit
+    def _entry_row(self, entry: cutlass.Int32, S: cutlass.Int32):
+        """A list entry's kv row (grouped: the membership bits removed) and whether it is valid
+        (entry >= 0 and row < S)."""
+        row = entry
+        if cutlass.const_expr(self.group > 1):
+            row = entry & ((1 << GROUP_SHIFT) - 1)
+        return row, entry >= 0 and row < S
+
+    @cute.jit
     def _gather_row(self, idx_r: cute.Tensor, p: cutlass.Constexpr, S: cutlass.Int32,
                     grow: cutlass.Int32, gsub: cutlass.Int32, sRow: cute.Tensor, slot,
                     write_rows: cutlass.Constexpr):
@@ -273,10 +282,7 @@ class SparseMlaBwdSm90:
         gsub 0 also records the entry (-1 if invalid) in sRow for the dKV scatter."""
         r = grow + self.g_rows * p
         entry = idx_r[p]
-        row = entry
-        if cutlass.const_expr(self.group > 1):
-            row = entry & ((1 << GROUP_SHIFT) - 1)
-        ok = entry >= 0 and row < S
+        row, ok = self._entry_row(entry, S)
         if cutlass.const_expr(write_rows):
             if gsub == 0:
                 # (grouped: the whole entry, bits included; readers decode it)
@@ -290,11 +296,8 @@ class SparseMlaBwdSm90:
         threads of a row group, thread gsub = p takes entry p; invalid entries read nothing."""
         assert self.g_passes <= self.g_tpr
         for p in cutlass.range_constexpr(self.g_passes):
-            entry = idx_r[p]
-            row = entry
-            if cutlass.const_expr(self.group > 1):
-                row = entry & ((1 << GROUP_SHIFT) - 1)
-            ok = entry >= 0 and row < S and gsub == p
+            row, ok = self._entry_row(idx_r[p], S)
+            ok = ok and gsub == p
             src, _ = self._row_source(kv_src, kv_batch, row, ok, cutlass.Int64(0))
             prefetch_l2_bulk(src, self.d_qk * 2, cutlass.Int32(ok))
 
