@@ -99,7 +99,7 @@ class SparseMlaBwdSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
                  group: int = 1, red_evict_last: bool = False, wg0_chunks: int | None = None,
                  early_release: bool = True, stream_evict_first: bool = False,
-                 l2_prefetch: bool = False):
+                 l2_prefetch: bool = False, pair_sync: int = 0):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -120,6 +120,12 @@ class SparseMlaBwdSm90:
         # its dQ half finds them there (the `_long` builds at Dqk 576; docs/kernel_log.md,
         # thirtieth session)
         self.l2_prefetch = l2_prefetch
+        # Experiment (H 65..128, two head blocks): 1 launches a token's two CTAs as one 2-CTA
+        # cluster (co-scheduled in one GPC); 2 also keeps them within one block of each other
+        # (a cluster barrier per block, every thread), so that each entry's second RED finds
+        # the first's line in the L2. The one-head-block launch is unchanged.
+        assert pair_sync in (0, 1, 2)
+        self.pair_sync = pair_sync
         self.fold_scale = dtype is cutlass.BFloat16
         self.bm = 64  # heads per CTA
         self.bn = 64  # gathered KV rows per block
@@ -187,11 +193,19 @@ class SparseMlaBwdSm90:
         # Grid x runs (token, head block) with the head blocks of a token adjacent: a token's
         # CTAs add to the same dkv rows close in time, while those are in L2.
         consts, smem_bytes = self._setup()
-        self.kernel(
-            mQ, mKV, mIdx, mLen, mLse, mDO, mO, mCoef, mDQ, mDKV, mDelta, T, H, S, K, t_begin,
-            n_hb, scale, *consts,
-        ).launch(grid=[n_tok * n_hb, 1, 1], block=[self.threads, 1, 1], smem=smem_bytes,
-                 min_blocks_per_mp=1, stream=stream)
+        args = (mQ, mKV, mIdx, mLen, mLse, mDO, mO, mCoef, mDQ, mDKV, mDelta, T, H, S, K,
+                t_begin, n_hb, scale, *consts)
+        if cutlass.const_expr(self.pair_sync > 0):
+            if n_hb == 2:
+                self.kernel(*args).launch(grid=[n_tok * n_hb, 1, 1], block=[self.threads, 1, 1],
+                                          cluster=[2, 1, 1], smem=smem_bytes,
+                                          min_blocks_per_mp=1, stream=stream)
+            else:
+                self.kernel(*args).launch(grid=[n_tok * n_hb, 1, 1], block=[self.threads, 1, 1],
+                                          smem=smem_bytes, min_blocks_per_mp=1, stream=stream)
+        else:
+            self.kernel(*args).launch(grid=[n_tok * n_hb, 1, 1], block=[self.threads, 1, 1],
+                                      smem=smem_bytes, min_blocks_per_mp=1, stream=stream)
 
     def _setup(self):
         """The kernel's compile-time arguments after scale (swizzle, layouts, tiled MMAs,
@@ -614,6 +628,7 @@ class SparseMlaBwdSm90:
 
             for blk in range(n_blocks):
                 slot = blk % 2
+                self._pair_step(blk, n_hb, True)
                 # next block's indices now; their latency hides behind the MMAs
                 load_block_indices(mIdx, idx_r, blk + 1, k_eff, idx_base, grow,
                                    *self._idx_walk)
@@ -706,6 +721,7 @@ class SparseMlaBwdSm90:
             rdQ0.store(acc_dQ.load().to(self.dtype))
             sdQ0 = cute.make_tensor(kv_base, sOh_layout)
             cute.copy(r2s_o0, r2s_o0.retile(rdQ0), r2s_o0.partition_D(sdQ0))
+            self._pair_step(n_blocks, n_hb, False)
             self._store_dq(kv_base, sO_layout, mDQ, gtid, bt, h0, H, 0, self.c0_chunks,
                            EPI0_BAR)
         else:
@@ -715,8 +731,22 @@ class SparseMlaBwdSm90:
                       n_blocks, mIdx, idx_r, k_eff, idx_base, grow, mbar, kv_src, g_dbase, S,
                       kv_batch, gsub, sRow, ds_sw, p_sw, q_sw, do_sw, bt32, t_begin, K, hb,
                       n_hb, kh, scale, mDKV, kv_base, sOh_layout, sOr_layout)
+            self._pair_step(n_blocks, n_hb, False)
             self._store_dq(kv_base, sO_layout, mDQ, gtid, bt, h0, H, self.c0_chunks,
                            self.c1_chunks, EPI1_BAR)
+
+    @cute.jit
+    def _pair_step(self, blk, n_hb: cutlass.Int32, arrive: cutlass.Constexpr):
+        """pair_sync 2 with two head blocks: wait for the pair's arrivals at block blk - 1, then
+        (arrive) arrive at block blk. Every thread of both CTAs calls it at the top of each
+        block of its loop and once after it (blk = n_blocks, no arrival), so the counts match
+        (a token's two CTAs walk the same list)."""
+        if cutlass.const_expr(self.pair_sync == 2):
+            if n_hb == 2:
+                if blk > 0:
+                    cute.arch.cluster_wait()
+                if cutlass.const_expr(arrive):
+                    cute.arch.cluster_arrive_relaxed()
 
     @cute.jit
     def _store_dq(self, o_base, sO_layout: cute.ComposedLayout, mDQ: cute.Tensor,
@@ -872,6 +902,7 @@ class SparseMlaBwdSm90:
 
         for blk in range(n_blocks):
             slot = blk % 2
+            self._pair_step(blk, n_hb, True)
             load_block_indices(mIdx, idx_r, blk + 1, k_eff, idx_base, grow, *self._idx_walk)
             cute.arch.mbarrier_wait(mbar + DS_FULL, blk % 2)
             cute.arch.mbarrier_wait(mbar + KV_FULL, blk % 2)
