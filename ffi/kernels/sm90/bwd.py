@@ -195,17 +195,15 @@ class SparseMlaBwdSm90:
         consts, smem_bytes = self._setup()
         args = (mQ, mKV, mIdx, mLen, mLse, mDO, mO, mCoef, mDQ, mDKV, mDelta, T, H, S, K,
                 t_begin, n_hb, scale, *consts)
+        launch = dict(grid=[n_tok * n_hb, 1, 1], block=[self.threads, 1, 1], smem=smem_bytes,
+                      min_blocks_per_mp=1, stream=stream)
         if cutlass.const_expr(self.pair_sync > 0):
             if n_hb == 2:
-                self.kernel(*args).launch(grid=[n_tok * n_hb, 1, 1], block=[self.threads, 1, 1],
-                                          cluster=[2, 1, 1], smem=smem_bytes,
-                                          min_blocks_per_mp=1, stream=stream)
+                self.kernel(*args).launch(cluster=[2, 1, 1], **launch)
             else:
-                self.kernel(*args).launch(grid=[n_tok * n_hb, 1, 1], block=[self.threads, 1, 1],
-                                          smem=smem_bytes, min_blocks_per_mp=1, stream=stream)
+                self.kernel(*args).launch(**launch)
         else:
-            self.kernel(*args).launch(grid=[n_tok * n_hb, 1, 1], block=[self.threads, 1, 1],
-                                      smem=smem_bytes, min_blocks_per_mp=1, stream=stream)
+            self.kernel(*args).launch(**launch)
 
     def _setup(self):
         """The kernel's compile-time arguments after scale (swizzle, layouts, tiled MMAs,
