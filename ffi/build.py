@@ -50,9 +50,12 @@ def _constants():
 # (-2 to -5 % at S 64K) and Q / dO / O / dQ evict-first (-3 to -7 % at the V4 layer shapes,
 # H100); at 576 three dKV chunks in WG0 and ds_empty after WG1's last scatter
 # (the default's four chunks and early release are 2.4 % slower at S 128K) and the next block's
-# rows prefetched into the L2 (-3 % at V3.2 S 128K, H100; flat at 512; docs/kernel_log.md).
-LONG_BWD_TUNING = {512: dict(red_evict_last=True, stream_evict_first=True),
-                   576: dict(wg0_chunks=3, early_release=False, l2_prefetch=True)}
+# rows prefetched into the L2 (-3 % at V3.2 S 128K, H100; flat at 512); at both, a token's two
+# head blocks as one 2-CTA cluster in lockstep (-10 % at V3.2 S 128K, -6 % at V4-Pro S 64K,
+# H100; docs/kernel_log.md).
+LONG_BWD_TUNING = {512: dict(red_evict_last=True, stream_evict_first=True, pair_lockstep=True),
+                   576: dict(wg0_chunks=3, early_release=False, l2_prefetch=True,
+                             pair_lockstep=True)}
 
 
 def exports():

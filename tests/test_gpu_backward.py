@@ -109,6 +109,20 @@ def test_grouped_backward_matches_oracle_and_reference(case, union):
     _check_kernel_gradients(case, Config(bwd=BwdConfig(group=64 // h, union=union)))
 
 
+# float16 (dS kept unscaled, P stored as c p~ / scale, dQ and dKV scaled in fp32): the plain
+# kernel at one and two head blocks, a grouped one, and the `_long` builds (a token's two head
+# blocks as one cluster in lockstep, a partial second head block).
+FLOAT16_CASES = [(2, 4, 100, 576, 700, 200, True, "partial"),
+                 (1, 16, 16, 512, 4096, 640, True, "partial"),
+                 (1, 4, 100, 512, 40000, 640, True, "partial"),
+                 (1, 8, 128, 576, 33000, 2048, True, "partial")]
+
+
+@pytest.mark.parametrize("case", FLOAT16_CASES, ids=_case_id)
+def test_float16_backward_matches_oracle_and_reference(case):
+    _check_kernel_gradients(case, dtype=jnp.float16)
+
+
 @pytest.mark.parametrize("case", [GROUPED_CASES[4][0], GROUPED_CASES[8][1]], ids=_case_id)
 def test_plain_backward_at_small_h_through_config(case):
     """The plain (ungrouped) kernel where select would group, pinned by config=."""
@@ -185,15 +199,15 @@ def test_rows_order_kernel_matches_its_oracle(b, t, k, s, ctas):
     np.testing.assert_array_equal(np.asarray(rows), want_rows)
 
 
-def _check_kernel_gradients(case, config=None):
+def _check_kernel_gradients(case, config=None, dtype=jnp.bfloat16):
     _kernel_or_skip()
     b, t, h, d, s, k, sink, topk = case
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
     p = make_problem(rng, b, t, h, d, s, k, sink=sink, topk=topk)
     w_o = rng.standard_normal((b, t, h, 512)).astype(np.float32)
     w_lse = rng.standard_normal((b, t, h)).astype(np.float32)
-    q, kv, got = _grads(p, jnp.bfloat16, "cute", w_o, w_lse, config=config)
-    _, _, ref = _grads(p, jnp.bfloat16, "xla", w_o, w_lse)
+    q, kv, got = _grads(p, dtype, "cute", w_o, w_lse, config=config)
+    _, _, ref = _grads(p, dtype, "xla", w_o, w_lse)
     want = oracle.dense_grads(np.asarray(q, np.float32), np.asarray(kv, np.float32), p.idx,
                               p.lengths, p.sink, p.scale, 512, w_o, w_lse)
     for name, g, r, w in zip(("dq", "dkv", "dsink"), got, ref, want):

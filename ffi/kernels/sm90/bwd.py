@@ -18,7 +18,10 @@ address depends on the pool, _kv_source; c and the sink's gradient computed in t
 the sink and lse).
 
 Grid (n_tok tokens from t_begin x ceil(H / 64) head blocks, a token's head blocks adjacent),
-256 threads = 2 warpgroups, one CTA per SM (up to 255 registers a thread). Prologue: the loads
+256 threads = 2 warpgroups, one CTA per SM (up to 255 registers a thread). In the `_long` builds
+a token's two head blocks (H 65..128) run as one 2-CTA cluster whose CTAs pass a cluster barrier
+at the top of every block, so the pair's REDs to each dkv row stay close in time
+(pair_lockstep). Prologue: the loads
 nothing waits for first (block 0's indices, WG0's lse / coef), Q and dO to shared memory, block 0
 gathered; kv_full's first phase completes when all of it has landed. WG1 then computes delta =
 rowsum(dO O) per row (O from global) while WG0 runs block 0's S and dP, and WG0 waits for it
@@ -99,7 +102,7 @@ class SparseMlaBwdSm90:
     def __init__(self, dtype, d_qk: int, d_v: int = 512, deterministic: bool = False,
                  group: int = 1, red_evict_last: bool = False, wg0_chunks: int | None = None,
                  early_release: bool = True, stream_evict_first: bool = False,
-                 l2_prefetch: bool = False, pair_sync: int = 0):
+                 l2_prefetch: bool = False, pair_lockstep: bool = False):
         assert d_v == 512 and d_qk in (512, 576)
         assert dtype in (cutlass.BFloat16, cutlass.Float16)
         self.dtype = dtype
@@ -120,12 +123,12 @@ class SparseMlaBwdSm90:
         # its dQ half finds them there (the `_long` builds at Dqk 576; docs/kernel_log.md,
         # thirtieth session)
         self.l2_prefetch = l2_prefetch
-        # Experiment (H 65..128, two head blocks): 1 launches a token's two CTAs as one 2-CTA
-        # cluster (co-scheduled in one GPC); 2 also keeps them within one block of each other
-        # (a cluster barrier per block, every thread), so that each entry's second RED finds
-        # the first's line in the L2. The one-head-block launch is unchanged.
-        assert pair_sync in (0, 1, 2)
-        self.pair_sync = pair_sync
+        # With two head blocks (H 65..128) a token's two CTAs are launched as one 2-CTA cluster
+        # and pass a cluster barrier at the top of every block (arrive, then wait one block
+        # later), so they walk the list within one block of each other and each entry's second
+        # RED finds the first's dkv line in the L2 (the `_long` builds; docs/kernel_log.md,
+        # thirty-second session). Grouped kernels always have one head block.
+        self.pair_lockstep = pair_lockstep and group == 1
         self.fold_scale = dtype is cutlass.BFloat16
         self.bm = 64  # heads per CTA
         self.bn = 64  # gathered KV rows per block
@@ -193,17 +196,24 @@ class SparseMlaBwdSm90:
         # Grid x runs (token, head block) with the head blocks of a token adjacent: a token's
         # CTAs add to the same dkv rows close in time, while those are in L2.
         consts, smem_bytes = self._setup()
-        args = (mQ, mKV, mIdx, mLen, mLse, mDO, mO, mCoef, mDQ, mDKV, mDelta, T, H, S, K,
-                t_begin, n_hb, scale, *consts)
+        self._launch(self.kernel, (mQ, mKV, mIdx, mLen, mLse, mDO, mO, mCoef, mDQ, mDKV, mDelta,
+                                   T, H, S, K, t_begin, n_hb, scale, *consts),
+                     n_tok, n_hb, smem_bytes, stream)
+
+    @cute.jit
+    def _launch(self, kernel, args: tuple, n_tok: cutlass.Int32, n_hb: cutlass.Int32,
+                smem_bytes: int, stream: cuda.CUstream):
+        """kernel(*args), one CTA per (token, head block); with pair_lockstep and two head
+        blocks, each token's pair as one 2-CTA cluster."""
         launch = dict(grid=[n_tok * n_hb, 1, 1], block=[self.threads, 1, 1], smem=smem_bytes,
                       min_blocks_per_mp=1, stream=stream)
-        if cutlass.const_expr(self.pair_sync > 0):
+        if cutlass.const_expr(self.pair_lockstep):
             if n_hb == 2:
-                self.kernel(*args).launch(cluster=[2, 1, 1], **launch)
+                kernel(*args).launch(cluster=[2, 1, 1], **launch)
             else:
-                self.kernel(*args).launch(**launch)
+                kernel(*args).launch(**launch)
         else:
-            self.kernel(*args).launch(**launch)
+            kernel(*args).launch(**launch)
 
     def _setup(self):
         """The kernel's compile-time arguments after scale (swizzle, layouts, tiled MMAs,
@@ -735,11 +745,11 @@ class SparseMlaBwdSm90:
 
     @cute.jit
     def _pair_step(self, blk, n_hb: cutlass.Int32, arrive: cutlass.Constexpr):
-        """pair_sync 2 with two head blocks: wait for the pair's arrivals at block blk - 1, then
-        (arrive) arrive at block blk. Every thread of both CTAs calls it at the top of each
-        block of its loop and once after it (blk = n_blocks, no arrival), so the counts match
-        (a token's two CTAs walk the same list)."""
-        if cutlass.const_expr(self.pair_sync == 2):
+        """pair_lockstep with two head blocks: wait for the pair's arrivals at block blk - 1,
+        then (arrive) arrive at block blk. Every thread of both CTAs calls it at the top of
+        each block of its loop and once after it (blk = n_blocks, no arrival), so the counts
+        match (a token's two CTAs walk the same list)."""
+        if cutlass.const_expr(self.pair_lockstep):
             if n_hb == 2:
                 if blk > 0:
                     cute.arch.cluster_wait()
@@ -1163,11 +1173,10 @@ class SparseMlaBwdTwoPoolSm90(SparseMlaBwdSm90):
     ):
         n_hb = (H + self.bm - 1) // self.bm
         consts, smem_bytes = self._setup()
-        self.kernel_two_pool(
-            mQ, mKV, mKV2, mIdx, mLen, mLse, mDO, mO, mSink, mDlse, mDQ, mDKV, mDsink, T, H, S,
-            S1, K, t_begin, n_hb, scale, *consts,
-        ).launch(grid=[n_tok * n_hb, 1, 1], block=[self.threads, 1, 1], smem=smem_bytes,
-                 min_blocks_per_mp=1, stream=stream)
+        self._launch(self.kernel_two_pool,
+                     (mQ, mKV, mKV2, mIdx, mLen, mLse, mDO, mO, mSink, mDlse, mDQ, mDKV, mDsink,
+                      T, H, S, S1, K, t_begin, n_hb, scale, *consts),
+                     n_tok, n_hb, smem_bytes, stream)
 
     @cute.kernel
     def kernel_two_pool(
