@@ -110,8 +110,8 @@ def test_grouped_backward_matches_oracle_and_reference(case, union):
 
 
 # float16 (dS kept unscaled, P stored as c p~ / scale, dQ and dKV scaled in fp32): the plain
-# kernel at one and two head blocks, a grouped one, and the `_long` builds (a token's two head
-# blocks as one cluster in lockstep, a partial second head block).
+# kernel at one and two head blocks, a grouped one, and the `_long` builds at H 100 (a partial
+# second head block) and 128.
 FLOAT16_CASES = [(2, 4, 100, 576, 700, 200, True, "partial"),
                  (1, 16, 16, 512, 4096, 640, True, "partial"),
                  (1, 4, 100, 512, 40000, 640, True, "partial"),
