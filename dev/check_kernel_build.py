@@ -173,7 +173,7 @@ def main():
         if (ops["LDL"] or ops["STL"]) and not args.allow_spills:
             problems.append(f"{prefix}: local memory (LDL {ops['LDL']}, STL {ops['STL']})")
         # (the two-pool backward adds each row's dsink term with one scalar RED per kernel
-        # function; a `_long` build holds two, one per launch: 2-CTA clusters or not)
+        # function; a pair_lockstep build holds two, one per launch: 2-CTA clusters or not)
         scalar_red = sum(n for k, n in wide.items() if k.startswith("RED") and k.endswith(".F32"))
         if scalar_red > (max(1, len(regs)) if op == "bwd2" else 0):
             problems.append(f"{prefix}: scalar fp32 RED")
