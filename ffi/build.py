@@ -50,13 +50,12 @@ def _constants():
 # (-2 to -5 % at S 64K) and Q / dO / O / dQ evict-first (-3 to -7 % at the V4 layer shapes,
 # H100); at 576 three dKV chunks in WG0 and ds_empty after WG1's last scatter
 # (the default's four chunks and early release are 2.4 % slower at S 128K) and the next block's
-# rows prefetched into the L2 (-3 % at V3.2 S 128K, H100; flat at 512; docs/kernel_log.md).
-LONG_BWD_TUNING = {512: dict(red_evict_last=True, stream_evict_first=True),
-                   576: dict(wg0_chunks=3, early_release=False, l2_prefetch=True)}
-# The one-pool `_long` builds whose token pairs (H 65..128) run as one 2-CTA cluster in lockstep
-# (pair_lockstep: -10 % at V3.2 S 128K, -6 % at V4-Pro S 64K, H100). Only the bf16 form has run
-# the GPU tests with it so far; fp16 and the two-pool builds join once theirs have.
-LONG_BWD_PAIR_LOCKSTEP = ("bf16",)
+# rows prefetched into the L2 (-3 % at V3.2 S 128K, H100; flat at 512); at both, a token's two
+# head blocks as one 2-CTA cluster in lockstep (pair_lockstep: -10 % at V3.2 S 128K, -6 % at
+# V4-Pro S 64K, H100; docs/kernel_log.md).
+LONG_BWD_TUNING = {512: dict(red_evict_last=True, stream_evict_first=True, pair_lockstep=True),
+                   576: dict(wg0_chunks=3, early_release=False, l2_prefetch=True,
+                             pair_lockstep=True)}
 
 
 def exports():
@@ -86,8 +85,7 @@ def exports():
                             dict(spec, group=g)))
             # the atomic forms for a dkv beyond the L2 (`_long`: LONG_BWD_TUNING)
             long = dict(spec, **LONG_BWD_TUNING[d])
-            out.append(("bwd", f"jax_dsa_bwd_{dt}_d{d}_long", "bwd", "compile_bwd",
-                        dict(long, pair_lockstep=dt in LONG_BWD_PAIR_LOCKSTEP)))
+            out.append(("bwd", f"jax_dsa_bwd_{dt}_d{d}_long", "bwd", "compile_bwd", long))
             out.append(("bwd2", f"jax_dsa_bwd_two_pool_{dt}_d{d}_long", "bwd",
                         "compile_bwd_two_pool", long))
             for g in c.GROUPS:
