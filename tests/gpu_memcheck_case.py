@@ -72,17 +72,20 @@ print("two-pool memcheck case done")
 # The two-pool backward kernel, called directly: a list over both pools' rows [0, S1 + S2) with
 # entries on both sides of that range and at the boundary between the pools, partial lengths,
 # padded heads, heads with and without a sink, B = 2 (pool 2's batch offset differs from pool
-# 1's, and so does dsink's row).
-for h, d in ((100, 576), (64, 512)):
-    b, t, s1, s2, k = 2, 5, 37, 23, 150
-    q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16)
-    kv1 = jnp.asarray(rng.standard_normal((b, s1, d)), jnp.bfloat16)
-    kv2 = jnp.asarray(rng.standard_normal((b, s2, d)), jnp.bfloat16)
+# 1's, and so does dsink's row). With S1 + S2 = 33000 the fp32 dkv passes LONG_DKV_MIN_BYTES:
+# the `_long` builds, whose token pairs (H 65..128) run as 2-CTA clusters; fp16 too.
+for h, d, s1, s2, dtype in ((100, 576, 37, 23, jnp.bfloat16), (64, 512, 37, 23, jnp.bfloat16),
+                            (128, 576, 30000, 3000, jnp.bfloat16),
+                            (100, 512, 30000, 3000, jnp.float16)):
+    b, t, k = 2, 5, 150
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), dtype)
+    kv1 = jnp.asarray(rng.standard_normal((b, s1, d)), dtype)
+    kv2 = jnp.asarray(rng.standard_normal((b, s2, d)), dtype)
     idx = jnp.asarray(rng.integers(-40, s1 + s2 + 40, (b, t, k)).astype(np.int32))
     tl = jnp.asarray(rng.integers(0, k + 1, (b, t)).astype(np.int32))
     lse = jnp.asarray(rng.standard_normal((b, t, h)) + 5.0, jnp.float32)
-    do = jnp.asarray(rng.standard_normal((b, t, h, 512)), jnp.bfloat16)
-    o = jnp.asarray(rng.standard_normal((b, t, h, 512)), jnp.bfloat16)
+    do = jnp.asarray(rng.standard_normal((b, t, h, 512)), dtype)
+    o = jnp.asarray(rng.standard_normal((b, t, h, 512)), dtype)
     sink = jnp.asarray(np.where(np.arange(h) % 3 == 0, -np.inf, rng.standard_normal(h)),
                        jnp.float32)
     dlse = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
@@ -90,7 +93,7 @@ for h, d in ((100, 576), (64, 512)):
                                                       dlse, scale=d ** -0.5)
     assert dkv.shape == (b, s1 + s2, d) and np.isfinite(np.asarray(dkv)).all()
     assert dsink.shape == (b, h) and np.isfinite(np.asarray(dsink)).all()
-    print(f"two-pool backward H={h} Dqk={d}: ok")
+    print(f"two-pool backward H={h} Dqk={d} S1+S2={s1 + s2} {jnp.dtype(dtype).name}: ok")
 print("two-pool backward memcheck case done")
 
 # Backward through the kernels on the same kind of problem, atomic and deterministic; H = 32, 16
@@ -109,20 +112,24 @@ for h, d, det, t in ((100, 576, False, 5), (100, 512, False, 5), (17, 512, False
     print(f"backward H={h} Dqk={d} deterministic={det}: ok")
 # dkv past LONG_DKV_MIN_BYTES: the long-context builds (plain and grouped), rows on both sides
 # of [0, S); the plain ones sort each token's rows first by default (BwdConfig.sort_rows), the
-# last runs them as given
-for h, t, d, sort_rows in ((64, 5, 512, None), (100, 3, 512, None), (16, 8, 512, None),
-                           (128, 3, 576, None), (16, 8, 576, None), (64, 5, 512, False)):
+# last bf16 one runs them as given; fp16 at H 100 (a token pair as one cluster)
+bf, f16 = jnp.bfloat16, jnp.float16
+for h, t, d, sort_rows, dtype in ((64, 5, 512, None, bf), (100, 3, 512, None, bf),
+                                  (16, 8, 512, None, bf), (128, 3, 576, None, bf),
+                                  (16, 8, 576, None, bf), (64, 5, 512, False, bf),
+                                  (100, 3, 576, None, f16)):
     s = 33000
     config = None if sort_rows is None else Config(bwd=BwdConfig(sort_rows=sort_rows))
-    q = jnp.asarray(rng.standard_normal((1, t, h, d)), jnp.bfloat16)
-    kv = jnp.asarray(rng.standard_normal((1, s, d)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((1, t, h, d)), dtype)
+    kv = jnp.asarray(rng.standard_normal((1, s, d)), dtype)
     idx = jnp.asarray(rng.integers(-40, s + 40, (1, t, 70)).astype(np.int32))
     tl = jnp.asarray(rng.integers(0, 71, (1, t)).astype(np.int32))
     grads = jax.grad(lambda q, kv: jnp.sum(jax_dsa.sparse_mla(
         q, kv, idx, sink=jnp.zeros(h), topk_length=tl, implementation="cute",
         config=config).astype(jnp.float32) ** 2), argnums=(0, 1))(q, kv)
     jax.block_until_ready(grads)
-    print(f"backward H={h} Dqk={d} S={s} sort_rows={sort_rows} (long-context build): ok")
+    print(f"backward H={h} Dqk={d} S={s} sort_rows={sort_rows} {jnp.dtype(dtype).name} "
+          "(long-context build): ok")
 # the row-order kernel alone (the step before those backwards): rows on both sides of [0, S),
 # lengths 0 .. K + 2, all ascending and with every other token's wave descending
 for b, t, k, s, ctas in ((2, 5, 70, 33000, 0), (1, 3, 1, 7, 0), (1, 4, 3000, 500, 0),
