@@ -92,7 +92,8 @@ def _fold_vmap(op: Callable, num_outputs: int, sink_pos: int | None = 4):
 
     Every output leads with B (the sink gradient is returned per batch entry for this reason), so
     outputs unfold uniformly. The sink ([H], argument `sink_pos`; None: no such argument) has no
-    B axis: if it is batched we map sequentially.
+    B axis: if it is batched we map sequentially. The rule calls the vmappable op itself, so an
+    outer vmap (nested vmap, vmap of jacrev) folds its axis in the same way.
     """
     folded = jax.custom_batching.custom_vmap(op)
 
@@ -100,7 +101,7 @@ def _fold_vmap(op: Callable, num_outputs: int, sink_pos: int | None = 4):
     def _rule(axis_size, in_batched, *args):
         args = tuple(jnp.asarray(x) for x in args)  # batched NumPy constants reach here unconverted
         if sink_pos is not None and in_batched[sink_pos]:
-            outs = jax.lax.map(lambda a: op(*a), tuple(
+            outs = jax.lax.map(lambda a: folded(*a), tuple(
                 x if bat else jnp.broadcast_to(x, (axis_size,) + x.shape)
                 for x, bat in zip(args, in_batched)))
             return outs, (True,) * num_outputs
@@ -112,7 +113,7 @@ def _fold_vmap(op: Callable, num_outputs: int, sink_pos: int | None = 4):
                 x = jnp.broadcast_to(x, (axis_size,) + x.shape)
             return x.reshape((axis_size * x.shape[1],) + x.shape[2:])
 
-        outs = op(*(fold(i, x, bat) for i, (x, bat) in enumerate(zip(args, in_batched))))
+        outs = folded(*(fold(i, x, bat) for i, (x, bat) in enumerate(zip(args, in_batched))))
         outs = tuple(y.reshape((axis_size, y.shape[0] // axis_size) + y.shape[1:]) for y in outs)
         return outs, (True,) * num_outputs
 

@@ -94,6 +94,8 @@ def test_three_dim_layout_jit_and_vmap():
     np.testing.assert_array_equal(np.asarray(jitted(q, k, w)), want)
     mapped = jax.vmap(lambda q, k, w: jax_dsa.indexer_topk(q, k, w, 4, start=3))
     np.testing.assert_array_equal(np.asarray(mapped(q, k, w)), want)
+    nested = jax.vmap(mapped)(q[None], k[None], w[None])  # two vmapped axes
+    np.testing.assert_array_equal(np.asarray(nested[0]), want)
 
 
 def test_selection_feeds_sparse_mla():

@@ -59,6 +59,30 @@ def test_indexer_loss_value_matches_the_oracle():
     np.testing.assert_allclose(mean, want.sum() / live.sum(), rtol=1e-5)
 
 
+def test_target_and_loss_under_nested_vmap():
+    q, k, w, idx, lengths, target = _loss_problem(seed=8, b=4)
+    q, k, w, idx, lengths, target = (jnp.asarray(x.reshape((2, 2) + x.shape[1:]))
+                                     for x in (q, k, w, idx, lengths, target))
+
+    def loss(q, k, w, idx, tl, target):
+        return jax_dsa.indexer_loss(q, k, w, idx, target, scale=0.7, topk_length=tl,
+                                    reduction="none")
+
+    def tgt(q, k, idx, tl):
+        return jax_dsa.attention_target(q, k, idx, topk_length=tl)
+
+    got_loss = jax.vmap(jax.vmap(loss))(q, k, w, idx, lengths, target)
+    got_tgt = jax.vmap(jax.vmap(tgt))(q, k, idx, lengths)
+    for i in range(2):
+        for j in range(2):
+            np.testing.assert_allclose(
+                got_loss[i, j], loss(q[i, j], k[i, j], w[i, j], idx[i, j], lengths[i, j],
+                                     target[i, j]), rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(
+                got_tgt[i, j], tgt(q[i, j], k[i, j], idx[i, j], lengths[i, j]),
+                rtol=1e-6, atol=1e-7)
+
+
 def test_indexer_loss_gradients_match_central_differences():
     """In float64: dq, dk (rows never selected get exactly 0) and dweights against central
     differences of the float64 NumPy oracle."""
