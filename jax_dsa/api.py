@@ -35,11 +35,14 @@ def sparse_mla(q, kv, idx, *, scale=None, sink=None, topk_length=None, d_v=None,
       scale: softmax scale, a finite real number of either sign; default Dqk ** -0.5.
       sink: optional [H] learnable attention sink (logit), in the softmax denominator only. A NaN
         sink gives NaN outputs (and gradients) for its head, as any NaN input does.
-      topk_length: optional [B, T] (or [T]) int32: only idx[b, t, :topk_length[b, t]] is used.
+      topk_length: optional [B, T] (or [T]) int32: only the first topk_length[b, t] slots of
+        idx[b, t] are used; a length <= 0 uses none, a length > K all K (not Python's
+        negative slicing).
       d_v: value width (the first d_v columns of kv), <= Dqk; default min(512, Dqk). The kernels
         take d_v = 512.
-      return_lse: also return lse [B, T, H] float32, the natural-log log-sum-exp of scale * q.k
-        over the valid entries (the sink excluded); -inf for a row with no valid entry.
+      return_lse: also return lse [B, T, H] float32 (float64 for float64 inputs), the
+        natural-log log-sum-exp of scale * q.k over the valid entries (the sink excluded);
+        -inf for a row with no valid entry.
       implementation: None (the Hopper kernels when the arrays are on an sm_90 GPU and the shape
         is supported, otherwise the pure-JAX reference; a GPU call that falls back logs a
         warning once per shape), "xla" (always the reference), "cute" (always the kernels;
@@ -244,6 +247,8 @@ def _check_layout(q, kv, idx, kv_name="kv", idx_name="idx") -> bool:
         raise ValueError(f"{kv_name}'s last dimension {kvs[2]} differs from q's head dim Dqk={qs[3]}")
     if qs[2] < 1:
         raise ValueError(f"q must have at least one head; got H={qs[2]}")
+    if qs[3] < 1:
+        raise ValueError(f"q's head dim must be at least 1; got Dqk={qs[3]}")
     if kvs[1] < 1:
         raise ValueError(f"{kv_name} must have at least one row (S >= 1)")
     if ids[2] < 1:
@@ -278,7 +283,7 @@ def _check_scale(scale, dqk) -> float:
 def _check_topk_length(topk_length, b, t, k, unbatched, name="topk_length"):
     if topk_length is None:
         return jnp.full((b, t), k, jnp.int32)
-    topk_length = _as_array(topk_length, name)
+    topk_length = _as_array(topk_length, name, index=True)
     if topk_length.dtype != jnp.int32:
         raise TypeError(f"{name} must be int32; got {topk_length.dtype}")
     if topk_length.shape != (b, t):
@@ -472,7 +477,8 @@ def explain(q, kv, idx, *, scale=None, sink=None, topk_length=None, d_v=None, re
             implementation=None, deterministic=False, config=None) -> Plan:
     """What `sparse_mla` with these arguments runs, and why (a `Plan`; str() reads well).
 
-    Takes sparse_mla's arguments and checks them the same way, but computes nothing. Under
+    Takes sparse_mla's arguments for one KV pool (not extra_kv / extra_idx /
+    extra_topk_length) and checks them the same way, but computes nothing. Under
     sharding the kernels are chosen per device shard: pass one shard's arrays to see that
     choice.
     """

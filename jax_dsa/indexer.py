@@ -28,6 +28,7 @@ import numpy as np
 from jax import lax
 
 from jax_dsa import api, sharding
+from jax_dsa import reference
 from jax_dsa.reference import varying_like
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -65,6 +66,13 @@ def indexer_topk(q, k, weights, topk, *, scale=1.0, ratio=1, start=0, return_sco
     impl = _resolve(implementation, call["q"], call["k"])
     q, k, weights = (jax.lax.stop_gradient(call[n]) for n in ("q", "k", "weights"))
     b, t = q.shape[:2]
+    if b * t == 0:  # no tokens: nothing to select (the selection's slices need one)
+        shape = (b, t, topk)
+        scores = jnp.full(shape, -jnp.inf, reference.acc_dtype(q.dtype))
+        idx = jnp.full(shape, -1, jnp.int32)
+        if call["unbatched"]:
+            scores, idx = scores[0], idx[0]
+        return (idx, scores) if return_scores else idx
     # Each token's position travels with it, so a token shard knows where it starts.
     positions = jnp.broadcast_to(call["start"] + jnp.arange(t, dtype=jnp.int32), (b, t))
     scores, idx = _topk_op(topk, call["scale"], call["ratio"], impl)(q, k, weights, positions)

@@ -56,9 +56,13 @@ def attention_target(q, kv, idx, *, scale=None, sink=None, topk_length=None, lse
                                 return_lse=True, implementation="xla" if impl == "xla" else None)
     else:
         lse = api._as_array(lse, "lse")
+        want = q.shape[1:3] if call.unbatched else q.shape[:3]
+        if lse.shape != want:
+            layout = "[T, H]" if call.unbatched else "[B, T, H]"
+            raise ValueError(f"lse must be {layout} = {want}; got shape {lse.shape}")
+        if not jnp.issubdtype(lse.dtype, jnp.floating):
+            raise TypeError(f"lse must be floating (as sparse_mla returns it); got {lse.dtype}")
         lse = lse[None] if call.unbatched else lse
-        if lse.shape != q.shape[:3]:
-            raise ValueError(f"lse must be [B, T, H] = {q.shape[:3]}; got shape {lse.shape}")
     off = offsets(lax.stop_gradient(lse), lax.stop_gradient(call.sink),
                   reference.acc_dtype(q.dtype))
     (mass,) = _mass_op(call.scale, impl)(q, kv, idx, tl, off)
@@ -152,17 +156,23 @@ def _prepare_loss(q, k, weights, idx, target, scale, topk_length, reduction):
     call = indexer._prepare(q, k, weights, scale, 1, 0)
     idx = api._as_array(idx, "idx", index=True)
     target = api._as_array(target, "target")
-    if call["unbatched"]:
-        idx, target = idx[None], target[None]
-        if topk_length is not None:
-            topk_length = api._as_array(topk_length, "topk_length", index=True)[None]
     b, t = call["q"].shape[:2]
-    if idx.dtype != jnp.int32 or idx.ndim != 3 or idx.shape[:2] != (b, t):
+    if call["unbatched"]:  # messages in the caller's 3-D layout
+        if idx.dtype != jnp.int32 or idx.ndim != 2 or idx.shape[0] != t:
+            raise ValueError(f"idx must be int32 [T, K] with T = {t}; got {idx.dtype} "
+                             f"{idx.shape}")
+    elif idx.dtype != jnp.int32 or idx.ndim != 3 or idx.shape[:2] != (b, t):
         raise ValueError(f"idx must be int32 [B, T, K] with [B, T] = {(b, t)}; got "
                          f"{idx.dtype} {idx.shape}")
     if target.shape != idx.shape or not jnp.issubdtype(target.dtype, jnp.floating):
         raise ValueError(f"target must be floating, shaped like idx {idx.shape}; got "
                          f"{target.dtype} {target.shape}")
+    if idx.shape[-1] == 0:
+        raise ValueError("idx must list at least one entry per token (K >= 1)")
+    if call["unbatched"]:
+        idx, target = idx[None], target[None]
+        if topk_length is not None:
+            topk_length = api._as_array(topk_length, "topk_length", index=True)[None]
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none'; got {reduction!r}")
     tl = api._check_topk_length(topk_length, b, t, idx.shape[2], False)

@@ -131,6 +131,8 @@ def test_indexer_loss_trains_the_indexer_toward_the_target():
     (dict(reduction="max"), "reduction"),
     (dict(target=np.zeros((2, 5, 3))), "target must be"),
     (dict(idx=np.zeros((2, 5, 6), np.float32)), "idx must be int32"),
+    (dict(idx=np.zeros((2, 5, 0), np.int32), target=np.zeros((2, 5, 0))), "K >= 1"),
+    (dict(topk_length=np.full((2, 5), 2 ** 32 + 3, np.int64)), "topk_length holds"),
 ])
 def test_indexer_loss_bad_arguments(kwargs, match):
     q, k, w, idx, lengths, target = _loss_problem()
@@ -138,6 +140,18 @@ def test_indexer_loss_bad_arguments(kwargs, match):
     args.update({n: kwargs.pop(n) for n in ("idx", "target") if n in kwargs})
     with pytest.raises(ValueError, match=match):
         jax_dsa.indexer_loss(q, k, w, args["idx"], args["target"], **kwargs)
+
+
+def test_three_dim_messages_name_the_callers_shapes():
+    q, k, w, idx, lengths, target = _loss_problem()
+    with pytest.raises(ValueError,
+                       match=r"idx must be int32 \[T, K\] with T = 5; got int32 \(4, 6\)"):
+        jax_dsa.indexer_loss(q[0], k[0], w[0], idx[0, :4], target[0, :4])
+    with pytest.raises(ValueError,
+                       match=r"lse must be \[T, H\] = \(5, 3\); got shape \(1, 5, 3\)"):
+        jax_dsa.attention_target(q[0], k[0], idx[0], lse=np.zeros((1, 5, 3), np.float32))
+    with pytest.raises(TypeError, match="lse must be floating"):
+        jax_dsa.attention_target(q, k, idx, lse=np.zeros((2, 5, 3), np.int32))
 
 
 def test_deterministic_indexer_loss_gradients_equal_the_default():

@@ -59,6 +59,16 @@ def test_int64_indices_beyond_int32_raise_and_in_range_ones_convert():
                                   np.asarray(jax_dsa.sparse_mla(q, kv, idx, d_v=16)))
 
 
+def test_empty_extents_are_refused_or_give_empty_results():
+    _, q, kv, idx = _problem(3)
+    with pytest.raises(ValueError, match="Dqk=0"):
+        jax_dsa.sparse_mla(q[..., :0], kv[..., :0], idx)
+    w = jnp.ones((1, 0, 2))
+    idx0, scores0 = jax_dsa.indexer_topk(jnp.ones((1, 0, 2, 4)), jnp.ones((1, 8, 4)), w, 3,
+                                         return_scores=True)
+    assert idx0.shape == scores0.shape == (1, 0, 3) and idx0.dtype == jnp.int32
+
+
 def test_implementation_sequence_and_explain():
     _, q, kv, idx = _problem(3)
     want = jax_dsa.sparse_mla(q, kv, idx, d_v=16, implementation="xla")
