@@ -106,8 +106,8 @@ def varying_like(x, *refs):
     Adds an exact 0.0 computed from each ref (a sum over an empty slice): version-independent,
     and a no-op outside shard_map.
     """
-    zero = sum(jnp.sum(r[..., :0].astype(x.dtype)) for r in refs)
-    return x + zero
+    zero = sum(jnp.sum(r[..., :0].astype(x.dtype), dtype=x.dtype) for r in refs)
+    return x + jnp.asarray(zero, x.dtype)  # x's dtype even where x64 widens int32 sums
 
 
 def forward(q, kv, idx, topk_length, sink, *, scale: float, d_v: int, chunk: int | None = None):

@@ -13,6 +13,10 @@ its position, so a token shard knows its start) and replicate k and the heads (t
 over them); the loss's dk is summed over token shards. The attention target's mass (summed over
 heads) shards over batch, tokens and heads and is summed over head shards.
 
+A batch, token or head dimension that its mesh axes do not split evenly (a sharding constraint
+can ask for that) is replicated instead: XLA would pad the last shards, and the padding would
+join the partial sums.
+
 `vmap` over any of them folds the mapped axis into the batch axis B (one call, no loop).
 """
 from __future__ import annotations
@@ -59,10 +63,23 @@ def _axes(entry) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def _even(entry, size: int, sharding):
+    """`entry` when its mesh axes split `size` evenly, else None (replicated). An uneven split
+    pads the last shards, and the padded rows would join the partial sums (dkv, dsink, mass)."""
+    axes = _axes(entry)
+    if not axes:
+        return entry
+    parts = 1
+    for a in axes:
+        parts *= sharding.mesh.shape[a]
+    return entry if size % parts == 0 else None
+
+
 def _q_layout(arg_shapes):
-    """Mesh axes of q's batch, token and head dimensions (D is never sharded)."""
-    b, t, h, _ = _entries(arg_shapes[0].sharding, 4)
-    return b, t, h
+    """Mesh axes of q's batch, token and head dimensions (D is never sharded); a dimension
+    that its axes do not split evenly is replicated."""
+    q = arg_shapes[0]
+    return tuple(_even(e, n, q.sharding) for e, n in zip(_entries(q.sharding, 4)[:3], q.shape))
 
 
 def _named(mesh, specs):
@@ -217,7 +234,7 @@ def make_backward_two_pool(local_bwd: Callable, scale: float, d_v: int, impl: st
 def make_indexer_topk(local: Callable):
     """Partitioned, vmappable selection: (q, k, weights, positions) -> (scores, idx)."""
     def specs(arg_shapes):
-        b, t, _, _ = _entries(arg_shapes[0].sharding, 4)
+        b, t, _ = _q_layout(arg_shapes)
         return ((P(b, t, None, None), P(b, None, None), P(b, t, None), P(b, t)),
                 (P(b, t, None), P(b, t, None)))
 

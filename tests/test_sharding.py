@@ -126,3 +126,63 @@ def test_two_pools_under_named_shardings_match_unsharded(concatenate, monkeypatc
     assert o.sharding.is_equivalent_to(NamedSharding(mesh, specs[0]), 4)
     hlo = f.lower(*sharded).compile().as_text()
     assert "all-gather" not in hlo and "all-to-all" not in hlo
+
+
+@pytest.mark.parametrize("q_spec", [P(None, "x"), P(None, None, "x")], ids=["tokens", "heads"])
+def test_uneven_shardings_inside_jit_give_the_unsharded_gradients(q_spec):
+    """A sharding constraint may split T = 12 tokens or H = 12 heads over 8 devices (device_put
+    refuses that, with_sharding_constraint does not). XLA pads the last shards; the partial
+    dkv / dsink / target mass must not take the padding in, so such a dimension is replicated."""
+    p, w_o, w_l = _problem(b=1, t=12, h=12)
+    mesh = Mesh(np.array(jax.devices()[:8]), ("x",))
+
+    def loss(q, kv, sink, idx, tl, constrain=True, square=False):
+        if constrain:
+            q = jax.lax.with_sharding_constraint(q, NamedSharding(mesh, q_spec))
+        value, (o, lse) = _loss(p, w_o, w_l, q, kv, sink, idx, tl)
+        if square:  # do depends on o (XLA lays the padding out differently)
+            value = value + jnp.sum(o.astype(jnp.float32) ** 2)
+        return value, (o, lse)
+
+    # dkv and dsink are the sums over shards (JAX refuses to differentiate the uneven
+    # constraint itself, so not q; dq is per shard and was never at risk).
+    replicated = NamedSharding(mesh, P())  # jit refuses uneven output shardings
+    # Full lists (no topk_length): a padded token of an explicit length array reads 0 entries.
+    args = (p.q, p.kv, p.sink, p.idx, None)
+    for square in (False, True):
+        f = jax.jit(lambda *a: jax.tree.map(
+            lambda x: jax.lax.with_sharding_constraint(x, replicated),
+            jax.value_and_grad(functools.partial(loss, square=square), argnums=(1, 2),
+                               has_aux=True)(*a)))
+        want = jax.value_and_grad(functools.partial(loss, constrain=False, square=square),
+                                  argnums=(1, 2), has_aux=True)(*args)
+        _assert_same(f(*args), want)
+
+    def target(q, kv, idx, tl):
+        q = jax.lax.with_sharding_constraint(q, NamedSharding(mesh, q_spec))
+        out = jax_dsa.attention_target(q, kv, idx, sink=p.sink, topk_length=tl)
+        return jax.lax.with_sharding_constraint(out, replicated)
+
+    for tl in (None, p.topk_length):
+        want = jax_dsa.attention_target(p.q, p.kv, p.idx, sink=p.sink, topk_length=tl)
+        got = jax.jit(target)(p.q, p.kv, p.idx, tl)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_uneven_token_sharding_inside_jit_sums_only_real_tokens():
+    """The same with T = 12 tokens over 8 devices, the lists full and all valid."""
+    rng = np.random.default_rng(31)
+    q = jnp.asarray(rng.standard_normal((1, 12, 4, 16)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((1, 24, 16)), jnp.float32)
+    idx = jnp.asarray(rng.integers(0, 24, (1, 12, 6)), jnp.int32)
+    sink = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    mesh = Mesh(np.array(jax.devices()[:8]), ("x",))
+
+    def loss(q, kv, sink, constrain):
+        if constrain:
+            q = jax.lax.with_sharding_constraint(q, NamedSharding(mesh, P(None, "x")))
+        return jnp.sum(jax_dsa.sparse_mla(q, kv, idx, sink=sink) ** 2)
+
+    g = jax.jit(jax.grad(loss, argnums=(1, 2)), static_argnums=3)
+    for got, want in zip(g(q, kv, sink, True), g(q, kv, sink, False)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

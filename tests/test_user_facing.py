@@ -170,6 +170,10 @@ def test_float64_runs_in_float64_and_check_grads_passes():
         o_ref, lse_ref = oracle.numpy_forward(p.q, p.kv, p.idx, p.lengths, p.sink, p.scale, 8)
         assert rel_err(o, o_ref) < 1e-12
         check_grads(lambda q, kv, s: f(q, kv, s)[0], (q, kv, sink), order=1, modes=["rev"])
+        # the indexer's selection stays int32 (sparse_mla's idx) with x64 on
+        sel = jax_dsa.indexer_topk(q, kv, jnp.ones(q.shape[:3]), 3)
+        assert sel.dtype == jnp.int32
+        assert jax_dsa.sparse_mla(q, kv, sel, d_v=8).dtype == jnp.float64
 
 
 def test_flax_module_follows_nnx_conventions():
