@@ -87,7 +87,8 @@ def pieces(impl, topk, start):
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--impls", default="cute,xla")
+    ap.add_argument("--impls", default=None,
+                    help="cute and/or xla (default: both where the kernels can run, else xla)")
     ap.add_argument("--shapes", default="", help="comma-separated labels (default: all)")
     ap.add_argument("--small", action="store_true", help="CPU-sized shapes (T 64, S 1024)")
     ap.add_argument("--batches", type=int, default=5)
@@ -100,7 +101,16 @@ def main(argv=None):
     args = ap.parse_args(argv)
     t, s = (64, 1024) if args.small else (4096, 65536)
     keep = [x for x in args.shapes.split(",") if x]
-    impls = args.impls.split(",")
+    problem = jax_dsa.api.kernel_runtime_problem()
+    if args.impls is None:
+        impls = ["xla"] if problem else ["cute", "xla"]
+        if problem:
+            print(f"kernels unavailable ({problem}): timing the reference only")
+    else:
+        impls = args.impls.split(",")
+        if problem and "cute" in impls:
+            raise SystemExit(f"benchmark_layer: --impls {args.impls} asks for the kernels, "
+                             f"which cannot run here: {problem}")
     print(f"jax {jax.__version__}, jax_dsa {jax_dsa.__version__}, {jax.devices()[0].device_kind};"
           f" T = {t}, S = {s}, window {WINDOW} + compressed top-k at ratio {RATIO}")
     results = []
