@@ -27,8 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_dsa import api, sharding
-from jax_dsa import reference
+from jax_dsa import api, reference, sharding
 from jax_dsa.reference import varying_like
 
 _HIGHEST = lax.Precision.HIGHEST
