@@ -417,10 +417,9 @@ def choose(implementation, problem: str | None, op: str, q) -> str:
     "xla", "cute" or "auto" (see `dispatch`). `problem`: why its kernel cannot take the call
     (op_kernel_problem; None when it can); when the default (None) falls back to the reference
     on a machine where the kernels run, warn_op_fallback logs it (op, q's shape and dtype)."""
-    names = (tuple(implementation) if isinstance(implementation, Sequence)
-             and not isinstance(implementation, str) else (implementation,))
-    if not names or any(n not in IMPLEMENTATIONS for n in names) or (
-            len(names) > 1 and None in names):
+    sequence = isinstance(implementation, Sequence) and not isinstance(implementation, str)
+    names = tuple(implementation) if sequence else (implementation,)
+    if not names or any(n not in IMPLEMENTATIONS for n in names) or (sequence and None in names):
         raise ValueError("implementation must be None, 'xla', 'cute' or a sequence of 'xla' / "
                          f"'cute'; got {implementation!r}")
     if names == (None,):

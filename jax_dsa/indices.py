@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def sliding_window(num_tokens: int, window: int, *, start: int = 0):
@@ -16,8 +17,9 @@ def sliding_window(num_tokens: int, window: int, *, start: int = 0):
 
     `start` is the position of the first token (for a chunk that continues a sequence).
     """
-    if window < 1:
-        raise ValueError(f"window must be >= 1; got {window}")
+    _check_int(num_tokens, "num_tokens", 0)
+    _check_int(window, "window", 1)
+    _check_int(start, "start", 0)
     t = start + jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
     rows = t - (window - 1) + jnp.arange(window, dtype=jnp.int32)[None, :]
     return jnp.where(rows >= 0, rows, -1)
@@ -25,13 +27,14 @@ def sliding_window(num_tokens: int, window: int, *, start: int = 0):
 
 def num_compressed(num_tokens: int, ratio: int) -> int:
     """Complete compressed rows for a sequence of num_tokens."""
-    if ratio < 1:
-        raise ValueError(f"ratio must be >= 1; got {ratio}")
+    _check_int(num_tokens, "num_tokens", 0)
+    _check_int(ratio, "ratio", 1)
     return num_tokens // ratio
 
 
 def compressed_visible(num_tokens: int, ratio: int, *, start: int = 0):
     """[T, n_c] bool: compressed row j is visible to token t iff (j + 1) * ratio <= t + 1."""
+    _check_int(start, "start", 0)
     n_c = num_compressed(start + num_tokens, ratio)
     t = start + jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
     j = jnp.arange(n_c, dtype=jnp.int32)[None, :]
@@ -58,18 +61,23 @@ def causal_topk(scores, k: int, ratio: int, *, start: int = 0):
       [..., T, k] int32, highest score first.
     """
     num_tokens, n_c = scores.shape[-2], scores.shape[-1]
-    if k < 1:
-        raise ValueError(f"k must be >= 1; got {k}")
+    _check_int(k, "k", 1)
     visible = compressed_visible(num_tokens, ratio, start=start)
     if visible.shape[1] != n_c:
         raise ValueError(f"scores has {n_c} compressed rows; {num_tokens} tokens from position "
                          f"{start} at ratio {ratio} have {visible.shape[1]}")
-    masked = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
+    # ranked in the scores' own precision (at least float32)
+    masked = jnp.where(visible, scores.astype(jnp.promote_types(scores.dtype, jnp.float32)),
+                       -jnp.inf)
     if k > n_c:
         pad = [(0, 0)] * (masked.ndim - 1) + [(0, k - n_c)]
         masked = jnp.pad(masked, pad, constant_values=-jnp.inf)
-    top, picked = jax.lax.top_k(masked, k)
-    return jnp.where(jnp.isneginf(top), -1, picked.astype(jnp.int32))
+    _, picked = jax.lax.top_k(masked, k)
+    # The visible rows are a prefix of each token's row (ties go to the smaller row), so the
+    # first count slots hold them, a visible row scoring -inf included.
+    count = jnp.sum(visible, axis=-1, dtype=jnp.int32)[:, None]
+    slot = jnp.arange(k, dtype=jnp.int32)
+    return jnp.where(slot < count, picked.astype(jnp.int32), -1)
 
 
 def concat_window_compressed(window_idx, compressed_idx, offset: int):
@@ -77,8 +85,16 @@ def concat_window_compressed(window_idx, compressed_idx, offset: int):
 
     offset is the number of window rows in the KV buffer (where compressed row 0 sits).
     """
+    _check_int(offset, "offset", 0)
     if window_idx.shape[:-1] != compressed_idx.shape[:-1]:
         raise ValueError(f"window_idx {window_idx.shape} and compressed_idx {compressed_idx.shape} "
                          "must agree on all but the last axis")
     shifted = jnp.where(compressed_idx >= 0, compressed_idx + offset, -1)
     return jnp.concatenate([window_idx.astype(jnp.int32), shifted.astype(jnp.int32)], axis=-1)
+
+
+def _check_int(value, name: str, lowest: int):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a Python int; got {value!r}")
+    if value < lowest:
+        raise ValueError(f"{name} must be >= {lowest}; got {value}")

@@ -330,3 +330,15 @@ def test_forward_splits_the_lists_only_when_the_tokens_leave_the_gpu_empty():
         FwdConfig(splits=0)
     with pytest.raises(ValueError, match="FwdConfig.splits"):
         FwdConfig(splits=True)
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda: BwdConfig(group=4.0), ValueError, "BwdConfig.group"),
+    (lambda: BwdConfig(group=True), ValueError, "BwdConfig.group"),
+    (lambda: kernel_config.select((4096, 16, 576), 640, 65536), ValueError, "q_shape"),
+    (lambda: kernel_config.select((1, 4096, 16, 576), 640, 65536, deterministic="no"),
+     TypeError, "deterministic"),
+])
+def test_config_and_select_refuse_bad_arguments(call, error, match):
+    with pytest.raises(error, match=match):
+        call()

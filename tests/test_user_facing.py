@@ -256,3 +256,13 @@ def test_indexer_fallback_on_a_hopper_gpu_logs_once_per_shape(monkeypatch, caplo
             jax_dsa.indexer_topk(q, k, w, 2)
     msgs = [r.getMessage() for r in caplog.records if r.name == "jax_dsa"]
     assert len(msgs) == 1 and "indexer" in msgs[0] and "float32" in msgs[0], msgs
+
+
+def test_every_op_refuses_none_inside_an_implementation_sequence():
+    q, k, w = jnp.ones((1, 4, 2, 8)), jnp.ones((1, 8, 8)), jnp.ones((1, 4, 2))
+    idx = jnp.zeros((1, 4, 3), jnp.int32)
+    for call in (lambda impl: jax_dsa.sparse_mla(q, k, idx, implementation=impl),
+                 lambda impl: jax_dsa.indexer_topk(q, k, w, 2, implementation=impl),
+                 lambda impl: jax_dsa.attention_target(q, k, idx, implementation=impl)):
+        with pytest.raises(ValueError, match="implementation"):
+            call((None,))

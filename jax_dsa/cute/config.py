@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from jax_dsa.cute import constants
 
 FWD_KERNELS = ("pingpong", "small_heads")
@@ -70,7 +72,8 @@ class BwdConfig:
     sort_rows: bool = False
 
     def __post_init__(self):
-        if self.group not in (1,) + constants.GROUPS:
+        if (isinstance(self.group, bool) or not isinstance(self.group, int)
+                or self.group not in (1,) + constants.GROUPS):
             raise ValueError(f"BwdConfig.group must be one of {(1,) + constants.GROUPS}; "
                              f"got {self.group!r}")
         if self.union not in UNIONS:
@@ -151,6 +154,10 @@ def select(q_shape, k: int, num_kv_rows: int, *, deterministic: bool = False) ->
     Example: `select((1, 4096, 16, 576), 640, 65536)` gives
     Config(fwd=FwdConfig("small_heads"), bwd=BwdConfig(group=4)).
     """
+    if len(tuple(q_shape)) != 4:
+        raise ValueError(f"q_shape must be [B, T, H, Dqk] (a 3-D q is B = 1); got {q_shape}")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a Python bool; got {deterministic!r}")
     return Config(select_fwd(q_shape, k), select_bwd(q_shape, k, num_kv_rows, deterministic))
 
 
