@@ -219,6 +219,15 @@ def _check_flag(value, name):
         raise TypeError(f"{name} must be a Python bool; got {value!r}")
 
 
+def _check_int(value, name, lowest):
+    """value as an int (a Python or NumPy int, not a bool) that is at least `lowest`."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a Python int; got {value!r}")
+    if value < lowest:
+        raise ValueError(f"{name} must be >= {lowest}; got {value}")
+    return int(value)
+
+
 def _check_layout(q, kv, idx, kv_name="kv", idx_name="idx") -> bool:
     """Checks ranks, dtypes and the shapes q, kv and idx share. True for the 3-D layout."""
     if q.ndim not in (3, 4):

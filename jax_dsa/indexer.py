@@ -24,7 +24,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jax_dsa import api, reference, sharding
@@ -60,7 +59,7 @@ def indexer_topk(q, k, weights, topk, *, scale=1.0, ratio=1, start=0, return_sco
       trains through `jax_dsa.indexer_loss`, which recomputes its scores).
     """
     call = _prepare(q, k, weights, scale, ratio, start)
-    topk = _check_int(topk, "topk", 1)
+    topk = api._check_int(topk, "topk", 1)
     api._check_flag(return_scores, "return_scores")
     impl = _resolve(implementation, call["q"], call["k"])
     q, k, weights = (jax.lax.stop_gradient(call[n]) for n in ("q", "k", "weights"))
@@ -156,18 +155,10 @@ def _prepare(q, k, weights, scale, ratio, start):
     if scale is None:
         raise TypeError("scale must be a real number; got None")
     scale = api._check_scale(scale, d)
-    ratio = _check_int(ratio, "ratio", 1)
-    start = _check_int(start, "start", 0)
+    ratio = api._check_int(ratio, "ratio", 1)
+    start = api._check_int(start, "start", 0)
     return dict(q=q, k=k, weights=weights, scale=scale, ratio=ratio, start=start,
                 unbatched=unbatched)
-
-
-def _check_int(value, name, lowest):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be a Python int; got {value!r}")
-    if value < lowest:
-        raise ValueError(f"{name} must be >= {lowest}; got {value}")
-    return int(value)
 
 
 def kernel_problem(q, k) -> str | None:

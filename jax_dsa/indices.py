@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from jax_dsa.api import _check_int
 
 
 def sliding_window(num_tokens: int, window: int, *, start: int = 0):
@@ -73,7 +74,7 @@ def causal_topk(scores, k: int, ratio: int, *, start: int = 0):
         pad = [(0, 0)] * (masked.ndim - 1) + [(0, k - n_c)]
         masked = jnp.pad(masked, pad, constant_values=-jnp.inf)
     _, picked = jax.lax.top_k(masked, k)
-    # The visible rows are a prefix of each token's row (ties go to the smaller row), so the
+    # A token's visible rows are a prefix of the rows (ties go to the smaller row), so its
     # first count slots hold them, a visible row scoring -inf included.
     count = jnp.sum(visible, axis=-1, dtype=jnp.int32)[:, None]
     slot = jnp.arange(k, dtype=jnp.int32)
@@ -91,10 +92,3 @@ def concat_window_compressed(window_idx, compressed_idx, offset: int):
                          "must agree on all but the last axis")
     shifted = jnp.where(compressed_idx >= 0, compressed_idx + offset, -1)
     return jnp.concatenate([window_idx.astype(jnp.int32), shifted.astype(jnp.int32)], axis=-1)
-
-
-def _check_int(value, name: str, lowest: int):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be a Python int; got {value!r}")
-    if value < lowest:
-        raise ValueError(f"{name} must be >= {lowest}; got {value}")
