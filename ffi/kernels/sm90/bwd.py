@@ -19,9 +19,9 @@ the sink and lse).
 
 Grid (n_tok tokens from t_begin x ceil(H / 64) head blocks, a token's head blocks adjacent),
 256 threads = 2 warpgroups, one CTA per SM (up to 255 registers a thread). With pair_lockstep
-(the `_long` builds) a token's two head blocks (H 65..128) run as one 2-CTA
-cluster whose CTAs pass a cluster barrier at the top of every block, so the pair's gathers and
-REDs of each row stay close in time. Prologue: the loads
+(the `_long` builds) a token's two head blocks (H 65..128) run as one 2-CTA cluster whose CTAs
+pass a cluster barrier at the top of every block, so the pair's gathers and REDs of each row
+stay close in time. Prologue: the loads
 nothing waits for first (block 0's indices, WG0's lse / coef), Q and dO to shared memory, block 0
 gathered; kv_full's first phase completes when all of it has landed. WG1 then computes delta =
 rowsum(dO O) per row (O from global) while WG0 runs block 0's S and dP, and WG0 waits for it
@@ -126,9 +126,9 @@ class SparseMlaBwdSm90:
         # With two head blocks (H 65..128) a token's two CTAs are launched as one 2-CTA cluster
         # and pass a cluster barrier at the top of every block (arrive, then wait one block
         # later), so they walk the list within one block of each other and each entry's second
-        # RED finds the first's dkv line in the L2 (the `_long` builds; docs/kernel_log.md,
-        # thirty-second session). Grouped kernels always have one head
-        # block.
+        # RED finds the first's dkv line in the L2 (the `_long` builds;
+        # docs/kernel_log.md, thirty-second session). Grouped kernels always have one
+        # head block.
         self.pair_lockstep = pair_lockstep and group == 1
         self.fold_scale = dtype is cutlass.BFloat16
         self.bm = 64  # heads per CTA
