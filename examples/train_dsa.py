@@ -3,9 +3,10 @@
 jax_dsa.flax.DSAttention on a synthetic task where attention over time is needed
 (y = tanh(cumsum(x) / sqrt(T)) @ teacher). Stage 1 ("dense", the warm-up) attends to every
 causal position and trains the indexer against that attention's distribution; stage 2
-("sparse") attends to the indexer's top-k and trains it on the selected entries. Printed per
-step: the task loss, the indexer's KL, and its recall: the fraction of the dense attention's
-top-k positions (by the head-summed probability) that the indexer's top-k contains.
+("sparse") attends to the indexer's top-k and trains it on the selected entries. Printed every
+10 steps and at the last: the task loss and the indexer's KL (both before that step's update),
+and its recall after the update: the fraction of the dense attention's top-k positions (by the
+head-summed probability) that the indexer's top-k contains.
 
     python examples/train_dsa.py [--steps 300] [--warmup 100] [--style v3.2|v4] [--mesh 2x2]
                                  [--plot out.png]
@@ -40,7 +41,6 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-import jax_dsa
 from jax_dsa.flax import DSAttention
 
 

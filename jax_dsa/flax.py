@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_dsa import indices
-from jax_dsa.api import sparse_mla
+from jax_dsa.api import _check_int, sparse_mla
 from jax_dsa.indexer import indexer_topk
 from jax_dsa.training import attention_target, indexer_loss
 
@@ -30,7 +30,10 @@ class SparseMLA(nnx.Module):
         `init(key, shape, dtype)` (e.g. `nnx.initializers.zeros_init()`), which needs `rngs`.
       sink_sharding: mesh axis names for the sink, e.g. ("heads",) for head-parallel meshes:
         the parameter carries them as `sharding` metadata (`nnx.with_partitioning`), so
-        `nnx.get_partition_spec` gives its PartitionSpec.
+        `nnx.get_partition_spec` gives its PartitionSpec. Flax >= 0.12 also places such a
+        parameter on its mesh when it is created (eager sharding), as for every NNX parameter
+        with sharding metadata: build the module under `jax.set_mesh(mesh)`, or
+        inside `nnx.use_eager_sharding(False)` to keep only the metadata.
       scale, d_v, implementation, config: as `jax_dsa.sparse_mla`.
       deterministic_backward: sparse_mla's `deterministic` (bitwise reproducible gradients); not
         called `deterministic` because NNX's train() / eval() set attributes of that name.
@@ -45,9 +48,7 @@ class SparseMLA(nnx.Module):
                  scale: float | None = None, d_v: int | None = None,
                  implementation=None, config=None, deterministic_backward: bool = False,
                  dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
-        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-            raise ValueError(f"num_heads must be an int >= 1; got {num_heads!r}")
-        self.num_heads = num_heads
+        self.num_heads = num_heads = _check_int(num_heads, "num_heads", 1)
         self.scale = scale
         self.d_v = d_v
         self.implementation = implementation
@@ -67,7 +68,16 @@ class SparseMLA(nnx.Module):
             if sink_sharding is not None:
                 init = nnx.with_partitioning(init, tuple(sink_sharding))
             key = rngs.params() if rngs is not None else None
-            sink = nnx.Param(init(key, (num_heads,), param_dtype))
+            try:
+                sink = nnx.Param(init(key, (num_heads,), param_dtype))
+            except ValueError as e:
+                if sink_sharding is None or "mesh" not in str(e):
+                    raise
+                raise ValueError(
+                    f"sink_sharding={tuple(sink_sharding)!r}: this flax places the sink on a "
+                    "mesh when it is created; build SparseMLA under "
+                    "jax.set_mesh(mesh), or inside nnx.use_eager_sharding(False) for "
+                    "the metadata alone") from e
             if tuple(sink.shape) != (num_heads,):
                 raise ValueError(f"sink_init must give shape ({num_heads},); got "
                                  f"{tuple(sink.shape)}")
@@ -181,6 +191,9 @@ class DSAttention(nnx.Module):
     def __call__(self, x, *, stage: str = "sparse"):
         if stage not in ("dense", "sparse"):
             raise ValueError(f"stage must be 'dense' or 'sparse'; got {stage!r}")
+        if jnp.ndim(x) != 3 or x.shape[-1] != self.wq.shape[0]:
+            raise ValueError(f"x must be [B, T, d_model = {self.wq.shape[0]}]; got shape "
+                             f"{jnp.shape(x)}")
         q = jnp.einsum("btm,mhd->bthd", x, self.wq[...])
         kv = jnp.einsum("btm,md->btd", x, self.wkv[...])
         if self.style == "v3.2":

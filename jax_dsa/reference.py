@@ -37,9 +37,11 @@ def valid_mask(idx, topk_length, num_kv_rows: int):
 
 
 def _gather_rows(kv, idx, valid):
-    """kv [B, S, D], idx [B, c, K] -> [B, c, K, D]; invalid slots read row 0 and are masked later."""
+    """kv [B, S, D], idx [B, c, K] -> [B, c, K, D], zero at invalid slots (as the kernels'
+    zero-filled rows), so a NaN or inf in a row no valid entry uses cannot reach the result."""
     safe = jnp.where(valid, idx, 0)
-    return jax.vmap(lambda rows, i: rows[i])(kv, safe)
+    rows = jax.vmap(lambda rows, i: rows[i])(kv, safe)
+    return jnp.where(valid[..., None], rows, jnp.zeros((), rows.dtype))
 
 
 def _scores(q, rows, valid, scale):

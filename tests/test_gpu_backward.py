@@ -1,4 +1,5 @@
 """The Hopper backward kernel (dq, dkv) against the float64 oracle and the reference (GPU only)."""
+import dataclasses
 import zlib
 
 import numpy as np
@@ -267,6 +268,40 @@ def test_nan_sink_gives_nan_gradients_on_the_kernel(h):
     dsink, dq = np.asarray(dsink), np.asarray(dq, np.float32)
     assert np.isnan(dsink[3]) and np.all(np.isfinite(np.delete(dsink, 3)))
     assert np.all(np.isnan(dq[:, :, 3])) and np.all(np.isfinite(np.delete(dq, 3, axis=2)))
+
+
+@pytest.mark.parametrize("case", [(1, 8, 16, 512, 300, 64), (1, 4, 128, 576, 3000, 2048),
+                                  (1, 2, 128, 576, 5000, 2048),  # decode: the split forward
+                                  (1, 8, 64, 512, 40000, 640)],  # the `_long` build
+                         ids=lambda c: "B{}T{}H{}D{}S{}K{}".format(*c))
+def test_rows_no_valid_entry_uses_may_hold_nan_or_inf_on_the_kernels(case):
+    """Invalid entries are never read (zero-filled rows): NaN / inf in rows that only invalid
+    entries name leave o, lse and the gradients as with those rows finite."""
+    _kernel_or_skip()
+    b, t, h, d, s, k = case
+    rng = np.random.default_rng(s + h)
+    p = make_problem(rng, b, t, h, d, s, k, sink=True, topk="partial")
+    p.idx[np.isin(p.idx, (0, 7))] = 1  # rows 0 and 7: named only by the invalid slots below
+    p.idx[0, 1, :2], p.topk_length[0, 1] = (0, 7), 0
+    bad = dataclasses.replace(p, kv=p.kv.copy())
+    bad.kv[:, 0], bad.kv[:, 7] = np.nan, np.inf
+    w_o = rng.standard_normal((b, t, h, p.d_v)).astype(np.float32)
+    w_lse = rng.standard_normal((b, t, h)).astype(np.float32)
+    outs = []
+    for prob in (p, bad):
+        q, kv = jnp.asarray(prob.q, jnp.bfloat16), jnp.asarray(prob.kv, jnp.bfloat16)
+        o, lse = jax_dsa.sparse_mla(q, kv, jnp.asarray(prob.idx), sink=jnp.asarray(prob.sink),
+                                    topk_length=jnp.asarray(prob.topk_length), return_lse=True,
+                                    implementation="cute")
+        outs.append((o, lse, *_grads(prob, jnp.bfloat16, "cute", w_o, w_lse)[2]))
+    for name, c, x in zip(("o", "lse", "dq", "dkv", "dsink"), *outs):
+        c, x = np.asarray(c, np.float32), np.asarray(x, np.float32)
+        assert not np.isnan(x).any(), f"{name}: NaN from a row no valid entry names"
+        if name in ("o", "lse"):  # the forward has no atomics: the same bits
+            np.testing.assert_array_equal(x, c, err_msg=name)
+        else:  # dkv and dsink add in any order (bf16 dkv: one step may differ)
+            assert rel_err(x, c) < 1e-2, name
+    assert np.all(np.asarray(outs[1][3], np.float32)[:, [0, 7]] == 0), "dkv of unnamed rows"
 
 
 def _bf16_step(x):

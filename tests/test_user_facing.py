@@ -240,6 +240,26 @@ def test_dsattention_styles_and_their_errors():
         dense_c(jnp.ones((1, 3, 8)))
     with pytest.raises(ValueError, match="stage must be"):
         dense_c(x, stage="warm")
+    for bad in (jnp.ones((12, 8)), jnp.ones((1, 12, 6))):
+        with pytest.raises(ValueError, match=r"x must be \[B, T, d_model = 8\]"):
+            dense_c(bad)
+
+
+def test_flax_sink_sharding_on_a_mesh_and_int_arguments():
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    assert jax_dsa.flax.SparseMLA(np.int64(3)).num_heads == 3
+    for bad, error in ((3.0, TypeError), (True, TypeError), (0, ValueError)):
+        with pytest.raises(error, match="num_heads"):
+            jax_dsa.flax.SparseMLA(bad)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("heads",))
+    with jax.set_mesh(mesh):
+        layer = jax_dsa.flax.SparseMLA(4, sink_init=1.5, sink_sharding=("heads",))
+    if hasattr(nnx, "use_eager_sharding"):  # flax >= 0.12 places the sink on the mesh
+        assert layer.sink[...].sharding == NamedSharding(mesh, P("heads"))
+        with pytest.raises(ValueError, match=r"sink_sharding=\('heads',\).*set_mesh"):
+            jax_dsa.flax.SparseMLA(4, sink_sharding=("heads",))
+    np.testing.assert_array_equal(np.asarray(layer.sink[...]), np.full(4, 1.5, np.float32))
 
 
 def test_indexer_fallback_on_a_hopper_gpu_logs_once_per_shape(monkeypatch, caplog):
@@ -266,3 +286,57 @@ def test_every_op_refuses_none_inside_an_implementation_sequence():
                  lambda impl: jax_dsa.attention_target(q, k, idx, implementation=impl)):
         with pytest.raises(ValueError, match="implementation"):
             call((None,))
+
+
+def test_rows_no_valid_entry_uses_may_hold_nan_or_inf():
+    """An invalid entry is never read: NaN / inf in rows that only invalid entries (or none)
+    name leave o, lse and every gradient as with those rows zero (the kernels zero-fill them)."""
+    rng = np.random.default_rng(11)
+    p = make_problem(rng, 2, 6, 3, 32, 20, 6, sink=True, topk="partial")
+    idx = np.where(np.isin(p.idx, (0, 7)), 1, p.idx)  # rows 0 and 7: no entry names them
+    idx[0, 1, :2] = (0, -7)  # ...except slots past topk_length / out of range
+    tl = p.topk_length.copy()
+    tl[0, 1] = 0
+    kv_bad = p.kv.copy()
+    kv_bad[:, 0], kv_bad[:, 7] = np.nan, np.inf
+    extra = rng.standard_normal((2, 5, 32)).astype(np.float32)
+    extra_bad = extra.copy()
+    extra_bad[:, 2] = np.nan
+    extra_idx = rng.integers(0, 5, size=(2, 6, 3)).astype(np.int32)
+    extra_idx = np.where(extra_idx == 2, -1, extra_idx)
+    sink, w = jnp.asarray(p.sink), jnp.asarray(rng.standard_normal((2, 6, 3, 16)), jnp.float32)
+
+    def run(kv, ex):
+        pools = {} if ex is None else dict(extra_kv=jnp.asarray(ex), extra_idx=jnp.asarray(extra_idx))
+
+        def f(q, kv, sink, **extra_kv):
+            o, lse = jax_dsa.sparse_mla(q, kv, jnp.asarray(idx), sink=sink, topk_length=jnp.asarray(tl),
+                                        d_v=16, return_lse=True, **extra_kv)
+            return jnp.sum(o * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0)), (o, lse)
+        args = (jnp.asarray(p.q), jnp.asarray(kv), sink)
+        (_, out), grads = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(*args, **pools)
+        return [np.asarray(x) for x in (*out, *grads)]
+
+    for ex, ex_bad in ((None, None), (extra, extra_bad)):
+        clean, bad = run(p.kv, ex), run(kv_bad, ex_bad)
+        for name, c, b in zip(("o", "lse", "dq", "dkv", "dsink"), clean, bad):
+            np.testing.assert_array_equal(b, c, err_msg=f"{name} (two pools: {ex is not None})")
+        if ex is None:  # and o, lse as the float64 oracle's, which never reads rows 0 / 7
+            o_ref, lse_ref = oracle.numpy_forward(p.q, kv_bad, idx, tl, p.sink, p.scale, 16)
+            assert rel_err(bad[0], o_ref) < 1e-5
+            np.testing.assert_allclose(bad[1], lse_ref, rtol=1e-5, atol=1e-5)  # -inf: dead rows
+
+    # The indexer loss: a NaN key row that no valid entry selects.
+    qi = jnp.asarray(rng.standard_normal((2, 6, 2, 8)), jnp.float32)
+    wi = jnp.asarray(rng.standard_normal((2, 6, 2)), jnp.float32)
+    k = rng.standard_normal((2, 20, 8)).astype(np.float32)
+    target = rng.random(idx.shape).astype(np.float32)
+
+    def kl_grads(k):
+        return jax.grad(lambda *a: jnp.sum(jax_dsa.indexer_loss(*a, jnp.asarray(idx), jnp.asarray(target),
+                                                                topk_length=jnp.asarray(tl), reduction="none")),
+                        argnums=(0, 1, 2))(qi, jnp.asarray(k), wi)
+    k_bad = k.copy()
+    k_bad[:, 0] = np.nan
+    for name, c, b in zip(("dq", "dk", "dweights"), kl_grads(k), kl_grads(k_bad)):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(c), err_msg=f"indexer_loss {name}")
