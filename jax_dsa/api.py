@@ -219,6 +219,14 @@ def _check_flag(value, name):
         raise TypeError(f"{name} must be a Python bool; got {value!r}")
 
 
+def _check_float(x, name):
+    """Refuses any dtype but bfloat16, float16, float32 and float64 (8-bit floats included)."""
+    if jnp.dtype(x.dtype).name not in ("bfloat16", "float16", "float32", "float64"):
+        hint = "; dequantise 8-bit floats first" if jnp.dtype(x.dtype).itemsize == 1 else ""
+        raise TypeError(f"{name} must be a floating dtype (bfloat16, float16, float32, float64); "
+                        f"got {x.dtype}{hint}")
+
+
 def _check_int(value, name, lowest):
     """value as an int (a Python or NumPy int, not a bool) that is at least `lowest`."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
@@ -240,8 +248,7 @@ def _check_layout(q, kv, idx, kv_name="kv", idx_name="idx") -> bool:
     want = "[T, K]" if unbatched else "[B, T, K]"
     if idx.ndim != q.ndim - 1:
         raise ValueError(f"{idx_name} must be {want} for {layout} q; got shape {idx.shape}")
-    if not jnp.issubdtype(q.dtype, jnp.floating):
-        raise TypeError(f"q must be a floating dtype (bfloat16, float16, float32); got {q.dtype}")
+    _check_float(q, "q")
     if kv.dtype != q.dtype:
         raise TypeError(f"{kv_name} must have q's dtype {q.dtype}; got {kv.dtype}")
     if idx.dtype != jnp.int32:
@@ -306,8 +313,7 @@ def _check_sink(sink, h, dtype):
     if sink is None:
         return jnp.full((h,), -jnp.inf, dtype)
     sink = _as_array(sink, "sink")
-    if not jnp.issubdtype(sink.dtype, jnp.floating):
-        raise TypeError(f"sink must be floating (float32); got {sink.dtype}")
+    _check_float(sink, "sink")
     if sink.shape != (h,):
         raise ValueError(f"sink must be [H]=({h},) for q's H={h} heads; got shape {sink.shape}")
     return sink.astype(dtype)

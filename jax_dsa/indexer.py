@@ -137,12 +137,10 @@ def _prepare(q, k, weights, scale, ratio, start):
     if unbatched:
         q, k, weights = q[None], k[None], weights[None]
     b, t, h, d = q.shape
-    if not jnp.issubdtype(q.dtype, jnp.floating):
-        raise TypeError(f"q must be a floating dtype; got {q.dtype}")
+    api._check_float(q, "q")
     if k.dtype != q.dtype:
         raise TypeError(f"k must have q's dtype {q.dtype}; got {k.dtype}")
-    if not jnp.issubdtype(weights.dtype, jnp.floating):
-        raise TypeError(f"weights must be a floating dtype; got {weights.dtype}")
+    api._check_float(weights, "weights")
     if k.shape[0] != b or k.shape[2] != d:
         raise ValueError(f"k must be [B, S, Di] = [{b}, S, {d}]; got shape {k.shape}")
     if weights.shape != (b, t, h):

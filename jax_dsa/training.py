@@ -62,6 +62,7 @@ def attention_target(q, kv, idx, *, scale=None, sink=None, topk_length=None, lse
             raise ValueError(f"lse must be {layout} = {want}; got shape {lse.shape}")
         if not jnp.issubdtype(lse.dtype, jnp.floating):
             raise TypeError(f"lse must be floating (as sparse_mla returns it); got {lse.dtype}")
+        api._check_float(lse, "lse")
         lse = lse[None] if call.unbatched else lse
     off = offsets(lax.stop_gradient(lse), lax.stop_gradient(call.sink),
                   reference.acc_dtype(q.dtype))
@@ -167,6 +168,7 @@ def _prepare_loss(q, k, weights, idx, target, scale, topk_length, reduction):
     if target.shape != idx.shape or not jnp.issubdtype(target.dtype, jnp.floating):
         raise ValueError(f"target must be floating, shaped like idx {idx.shape}; got "
                          f"{target.dtype} {target.shape}")
+    api._check_float(target, "target")
     if idx.shape[-1] == 0:
         raise ValueError("idx must list at least one entry per token (K >= 1)")
     if call["unbatched"]:

@@ -340,3 +340,28 @@ def test_rows_no_valid_entry_uses_may_hold_nan_or_inf():
     k_bad[:, 0] = np.nan
     for name, c, b in zip(("dq", "dk", "dweights"), kl_grads(k), kl_grads(k_bad)):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(c), err_msg=f"indexer_loss {name}")
+
+
+def test_8bit_floats_are_refused_by_name():
+    """fp8 inputs get a TypeError naming the argument (not a deep promotion error)."""
+    f8 = jnp.float8_e4m3fn
+    _, q, kv, idx = _problem(3)
+    qi, k = jnp.ones((1, 6, 2, 16), f8), jnp.ones((1, 20, 16), f8)
+    w, target = jnp.ones((1, 6, 2), jnp.float32), jnp.ones(idx.shape, jnp.float32)
+    calls = {
+        "q": [lambda: jax_dsa.sparse_mla(q.astype(f8), kv.astype(f8), idx),
+              lambda: jax_dsa.indexer_topk(qi, k, w, 2),
+              lambda: jax_dsa.indexer_scores(qi, k, w),
+              lambda: jax_dsa.attention_target(q.astype(f8), kv.astype(f8), idx),
+              lambda: jax_dsa.indexer_loss(qi, k, w, idx, target)],
+        "sink": [lambda: jax_dsa.sparse_mla(q, kv, idx, sink=jnp.zeros(3, f8))],
+        "weights": [lambda: jax_dsa.indexer_scores(qi.astype(jnp.float32),
+                                                   k.astype(jnp.float32), w.astype(f8))],
+        "lse": [lambda: jax_dsa.attention_target(q, kv, idx, lse=jnp.zeros(q.shape[:3], f8))],
+        "target": [lambda: jax_dsa.indexer_loss(qi.astype(jnp.float32), k.astype(jnp.float32),
+                                                w, idx, target.astype(f8))],
+    }
+    for name, fns in calls.items():
+        for fn in fns:
+            with pytest.raises(TypeError, match=f"^{name} must be a floating dtype.*dequantise"):
+                fn()
