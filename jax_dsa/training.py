@@ -38,7 +38,9 @@ def attention_target(q, kv, idx, *, scale=None, sink=None, topk_length=None, lse
     """target [B, T, K] (float32; float64 for float64 inputs): sparse_mla's probabilities summed
     over heads and normalised over the token's entries; 0 at invalid entries and on tokens
     without a valid entry. Takes sparse_mla's arguments (3-D layouts too); `lse` ([B, T, H], as
-    sparse_mla returns it) saves recomputing it. Not differentiable (a training target).
+    sparse_mla returns it) saves recomputing it. Not differentiable (a training target). With
+    a sink each head's probabilities have the sink in their denominator, as in sparse_mla's
+    output, so a head that gives the sink more weight counts less in the sum over heads.
 
     implementation: None (the Hopper target kernel where it can run: bf16/fp16, Dqk 512 or 576,
     H <= 128; else the reference), "xla", "cute", or a sequence of them tried in order. Under
