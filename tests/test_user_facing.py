@@ -307,19 +307,18 @@ def test_rows_no_valid_entry_uses_may_hold_nan_or_inf():
     sink, w = jnp.asarray(p.sink), jnp.asarray(rng.standard_normal((2, 6, 3, 16)), jnp.float32)
 
     def run(kv, ex):
-        pools = {} if ex is None else dict(extra_kv=jnp.asarray(ex), extra_idx=jnp.asarray(extra_idx))
-
-        def f(q, kv, sink, **extra_kv):
+        def f(q, kv, sink, ex):
+            pools = {} if ex is None else dict(extra_kv=ex, extra_idx=jnp.asarray(extra_idx))
             o, lse = jax_dsa.sparse_mla(q, kv, jnp.asarray(idx), sink=sink, topk_length=jnp.asarray(tl),
-                                        d_v=16, return_lse=True, **extra_kv)
+                                        d_v=16, return_lse=True, **pools)
             return jnp.sum(o * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0)), (o, lse)
-        args = (jnp.asarray(p.q), jnp.asarray(kv), sink)
-        (_, out), grads = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(*args, **pools)
-        return [np.asarray(x) for x in (*out, *grads)]
+        args = (jnp.asarray(p.q), jnp.asarray(kv), sink, None if ex is None else jnp.asarray(ex))
+        (_, out), grads = jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)(*args)
+        return [np.asarray(x) for x in (*out, *grads) if x is not None]
 
     for ex, ex_bad in ((None, None), (extra, extra_bad)):
         clean, bad = run(p.kv, ex), run(kv_bad, ex_bad)
-        for name, c, b in zip(("o", "lse", "dq", "dkv", "dsink"), clean, bad):
+        for name, c, b in zip(("o", "lse", "dq", "dkv", "dsink", "dextra_kv"), clean, bad):
             np.testing.assert_array_equal(b, c, err_msg=f"{name} (two pools: {ex is not None})")
         if ex is None:  # and o, lse as the float64 oracle's, which never reads rows 0 / 7
             o_ref, lse_ref = oracle.numpy_forward(p.q, kv_bad, idx, tl, p.sink, p.scale, 16)
