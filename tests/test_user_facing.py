@@ -309,8 +309,9 @@ def test_rows_no_valid_entry_uses_may_hold_nan_or_inf():
     def run(kv, ex):
         def f(q, kv, sink, ex):
             pools = {} if ex is None else dict(extra_kv=ex, extra_idx=jnp.asarray(extra_idx))
-            o, lse = jax_dsa.sparse_mla(q, kv, jnp.asarray(idx), sink=sink, topk_length=jnp.asarray(tl),
-                                        d_v=16, return_lse=True, **pools)
+            o, lse = jax_dsa.sparse_mla(q, kv, jnp.asarray(idx), sink=sink,
+                                        topk_length=jnp.asarray(tl), d_v=16, return_lse=True,
+                                        **pools)
             return jnp.sum(o * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0)), (o, lse)
         args = (jnp.asarray(p.q), jnp.asarray(kv), sink, None if ex is None else jnp.asarray(ex))
         (_, out), grads = jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)(*args)
@@ -332,9 +333,11 @@ def test_rows_no_valid_entry_uses_may_hold_nan_or_inf():
     target = rng.random(idx.shape).astype(np.float32)
 
     def kl_grads(k):
-        return jax.grad(lambda *a: jnp.sum(jax_dsa.indexer_loss(*a, jnp.asarray(idx), jnp.asarray(target),
-                                                                topk_length=jnp.asarray(tl), reduction="none")),
-                        argnums=(0, 1, 2))(qi, jnp.asarray(k), wi)
+        def loss(*args):
+            return jnp.sum(jax_dsa.indexer_loss(*args, jnp.asarray(idx), jnp.asarray(target),
+                                                topk_length=jnp.asarray(tl), reduction="none"))
+        return jax.grad(loss, argnums=(0, 1, 2))(qi, jnp.asarray(k), wi)
+
     k_bad = k.copy()
     k_bad[:, 0] = np.nan
     for name, c, b in zip(("dq", "dk", "dweights"), kl_grads(k), kl_grads(k_bad)):
