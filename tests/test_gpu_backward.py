@@ -496,3 +496,42 @@ def test_two_pool_backward_reads_both_pools_in_place(h, d):
         assert rel_err(g, w) < 1e-2, (name, rel_err(g, w))
 
 
+
+
+@pytest.mark.parametrize("h,d,s1", [(128, 576, 600), (64, 512, 600), (128, 512, 40000)],
+                         ids=["H128D576", "H64D512", "H128D512S40000"])
+def test_two_pools_rows_no_valid_entry_uses_may_hold_nan_on_the_kernels(h, d, s1):
+    """As the one-pool test, with both pools: row 0 of each is named only by invalid slots and
+    holds NaN (S1 = 40000: the two-pool `_long` build)."""
+    _kernel_or_skip()
+    rng = np.random.default_rng(h + d + s1)
+    p1 = make_problem(rng, 1, 8, h, d, s1, 128, sink=True, topk="partial")
+    p2 = make_problem(rng, 1, 8, h, d, 300, 640, topk="partial")
+    for p in (p1, p2):
+        p.idx[p.idx == 0] = 1
+        p.idx[0, 1, 0], p.topk_length[0, 1] = 0, 0  # row 0: only past topk_length
+    w_o = jnp.asarray(rng.standard_normal((1, 8, h, 512)), jnp.float32)
+    w_lse = jnp.asarray(rng.standard_normal((1, 8, h)), jnp.float32)
+
+    def run(kv1, kv2):
+        def f(q, kv1, kv2, sink):
+            o, lse = jax_dsa.sparse_mla(q, kv1, jnp.asarray(p1.idx), sink=sink,
+                                        topk_length=jnp.asarray(p1.topk_length),
+                                        extra_kv=kv2, extra_idx=jnp.asarray(p2.idx),
+                                        extra_topk_length=jnp.asarray(p2.topk_length),
+                                        return_lse=True, implementation="cute")
+            loss = (jnp.sum(o.astype(jnp.float32) * w_o)
+                    + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_lse))
+            return loss, (o, lse)
+        args = (jnp.asarray(p1.q, jnp.bfloat16), jnp.asarray(kv1, jnp.bfloat16),
+                jnp.asarray(kv2, jnp.bfloat16), jnp.asarray(p1.sink))
+        (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))(*args)
+        return [np.asarray(x, np.float32) for x in (*out, *grads)]
+
+    bad1, bad2 = p1.kv.copy(), p2.kv.copy()
+    bad1[:, 0] = bad2[:, 0] = np.nan
+    clean, bad = run(p1.kv, p2.kv), run(bad1, bad2)
+    for name, c, x in zip(("o", "lse", "dq", "dkv1", "dkv2", "dsink"), clean, bad):
+        assert not np.isnan(x).any(), f"{name}: NaN from a row no valid entry names"
+        assert rel_err(x, c) < 1e-2 if name not in ("o", "lse") else np.array_equal(x, c), name
+    assert np.all(bad[3][:, 0] == 0) and np.all(bad[4][:, 0] == 0), "dkv of the unnamed rows"

@@ -129,3 +129,31 @@ def test_public_indexer_loss_runs_the_kernels():
         assert rel_err(dw, want_dw) < 1e-3, (impl, det, rel_err(dw, want_dw))
     again = run("cute", True)[1][1]
     assert np.asarray(again).tobytes() == np.asarray(dk).tobytes()
+
+
+def test_key_rows_no_valid_entry_selects_may_hold_nan():
+    """Invalid entries read nothing: NaN in key rows that only invalid slots name leaves the KL
+    and the gradients as with those rows finite, and their dk rows 0."""
+    _kernel_or_skip()
+    b, t, h, s, k = 1, 6, 64, 400, 256
+    q, kk, w, idx, lengths, target, g = _problem(np.random.default_rng(5), b, t, h, s, k,
+                                                 jnp.bfloat16)
+    idx[idx == 0] = 1
+    idx[0, 1, 0], lengths[0, 1] = 0, 0  # row 0: only past topk_length (and out of range)
+
+    def run(keys):
+        def f(q, k, w):
+            kl = jax_dsa.indexer_loss(q, k, w, jnp.asarray(idx), jnp.asarray(target),
+                                      topk_length=jnp.asarray(lengths), reduction="none",
+                                      implementation="cute")
+            return jnp.sum(jnp.asarray(g) * kl), kl
+        args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(keys, jnp.bfloat16), jnp.asarray(w))
+        (_, kl), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(*args)
+        return [np.asarray(x, np.float32) for x in (kl, *grads)]
+
+    bad_keys = kk.copy()
+    bad_keys[:, 0] = np.nan
+    for name, c, x in zip(("kl", "dq", "dk", "dweights"), run(kk), run(bad_keys)):
+        assert not np.isnan(x).any(), f"{name}: NaN from a key row no valid entry names"
+        assert rel_err(x, c) < 1e-2, name
+    assert np.all(run(bad_keys)[2][:, 0] == 0), "dk of the unnamed row"
