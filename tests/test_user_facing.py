@@ -320,7 +320,7 @@ def test_rows_no_valid_entry_uses_may_hold_nan_or_inf():
     for ex, ex_bad in ((None, None), (extra, extra_bad)):
         clean, bad = run(p.kv, ex), run(kv_bad, ex_bad)
         for name, c, b in zip(("o", "lse", "dq", "dkv", "dsink", "dextra_kv"), clean, bad):
-            np.testing.assert_array_equal(b, c, err_msg=f"{name} (two pools: {ex is not None})")
+            _assert_same_sums(b, c, f"{name} (two pools: {ex is not None})")
         if ex is None:  # and o, lse as the float64 oracle's, which never reads rows 0 / 7
             o_ref, lse_ref = oracle.numpy_forward(p.q, kv_bad, idx, tl, p.sink, p.scale, 16)
             assert rel_err(bad[0], o_ref) < 1e-5
@@ -341,7 +341,18 @@ def test_rows_no_valid_entry_uses_may_hold_nan_or_inf():
     k_bad = k.copy()
     k_bad[:, 0] = np.nan
     for name, c, b in zip(("dq", "dk", "dweights"), kl_grads(k), kl_grads(k_bad)):
-        np.testing.assert_array_equal(np.asarray(b), np.asarray(c), err_msg=f"indexer_loss {name}")
+        _assert_same_sums(b, c, f"indexer_loss {name}")
+
+
+def _assert_same_sums(got, want, name):
+    """got equals want: the same bits on CPU; on a GPU up to the order of a sum, since XLA's
+    scatter-add there (dkv, dsink, dk) adds in any order, which moves the last bit."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert not np.isnan(got).any(), f"{name}: NaN"
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(got, want, err_msg=name)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=name)
 
 
 def test_8bit_floats_are_refused_by_name():
