@@ -50,7 +50,7 @@ for step in "${steps[@]}"; do
     tests-bwd) pytest_step tests-bwd 540 -s tests/test_gpu_backward.py ;;
     tests-rest) pytest_step tests-rest 420 tests/test_gpu_group_union.py \
         tests/test_gpu_training.py tests/test_gpu_indexer.py tests/test_gpu_target.py tests/test_gpu_indexer_loss.py \
-        tests/test_native_build.py ;;
+        tests/test_native_build.py tests/test_user_facing.py ;;
     memcheck)
       timeout 240 compute-sanitizer --tool memcheck --leak-check no python3 \
         tests/gpu_memcheck_case.py > "$out/memcheck.log" 2>&1
