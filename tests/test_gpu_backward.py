@@ -503,8 +503,6 @@ def test_two_pool_backward_reads_both_pools_in_place(h, d):
         assert rel_err(g, w) < 1e-2, (name, rel_err(g, w))
 
 
-
-
 @pytest.mark.parametrize("h,d,s1", [(128, 576, 600), (64, 512, 600), (128, 512, 40000)],
                          ids=["H128D576", "H64D512", "H128D512S40000"])
 def test_two_pools_rows_no_valid_entry_uses_may_hold_nan_on_the_kernels(h, d, s1):
